@@ -1,0 +1,45 @@
+"""The in-memory checkpoint: what an ODTC file holds, with no file or framework concerns.
+
+Tensors may be torch tensors or numpy arrays (any device, any layout; the writer stages them). A STRING tensor is a
+numpy array of ``str``. The field names follow ORT: ``trainable`` is ORT's ``requires_grad_params``, ``frozen`` its
+``frozen_params`` (buffers and parameters without gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+Tensor = Any  # torch.Tensor or numpy.ndarray; kept loose so this layer imports neither torch nor Lightning.
+PropertyValue = Union[int, float, str]
+
+GROUP_ZERO = "group0"
+"""The only optimizer group ORT's ``Optimizer`` uses."""
+
+
+@dataclass
+class OptimizerGroup:
+    """One optimizer group: its completed step count, initial learning rate and per-parameter momentum tensors.
+
+    ``states`` maps parameter name -> momentum name -> tensor. ORT's AdamW reads ``momentum0`` (first moment) and
+    ``momentum1`` (second moment); its SGD reads ``momentum0``. ``initial_learning_rate`` is stored as float32.
+    """
+
+    step: int = 0
+    initial_learning_rate: float = 0.0
+    states: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class Checkpoint:
+    """Everything an ODTC file can hold.
+
+    ``properties`` values are int (int64), float (stored as float32, as in ORT) or str. ``nominal`` marks a
+    checkpoint that records only names, dtypes and the trainable/frozen split, without data.
+    """
+
+    trainable: dict[str, Tensor] = field(default_factory=dict)
+    frozen: dict[str, Tensor] = field(default_factory=dict)
+    optimizer_groups: dict[str, OptimizerGroup] = field(default_factory=dict)
+    properties: dict[str, PropertyValue] = field(default_factory=dict)
+    nominal: bool = False

@@ -1,0 +1,152 @@
+"""Plans the bytes of a FlatBuffer exactly as flatbuffers' C++ ``FlatBufferBuilder`` lays them out.
+
+ORT writes checkpoints with the C++ builder, so matching its layout byte for byte means matching its rules:
+back-to-front building, ``PreAlign`` that skips zero-length data, scalars equal to their default omitted, vtables
+trimmed of trailing absent fields and deduplicated against every earlier vtable. Unlike a real builder, tensor
+payloads are kept as :class:`Blob` references, so the planned file can be streamed to disk from the tensors' own
+memory without ever assembling it in memory.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple, Union
+
+MAX_FLATBUFFER_SIZE = 2**31 - 1
+"""FlatBuffers offsets are signed 32-bit: no buffer may reach 2 GiB."""
+
+
+class Blob(NamedTuple):
+    """A placeholder for ``nbytes`` payload bytes that the writer supplies later, identified by ``key``."""
+
+    key: int
+    nbytes: int
+
+
+Piece = Union[bytes, Blob]
+
+
+class LayoutBuilder:
+    """A back-to-front FlatBuffer builder whose output is a list of byte runs and blob placeholders.
+
+    Offsets returned by the methods are, as in flatbuffers, distances from the end of the buffer.
+    """
+
+    def __init__(self) -> None:
+        self._rev = bytearray()  # metadata bytes of the current run, reversed
+        self._done: list[Piece] = []  # finished pieces, in build order (the reverse of file order)
+        self.size = 0
+        self._minalign = 1
+        self._vtables: dict[bytes, int] = {}
+        self._fields: list[tuple[int, int]] = []
+        self._table_start = -1
+
+    # -- primitives ---------------------------------------------------------------------------------------------
+    def _fill(self, n: int) -> None:
+        if n:
+            self._rev += bytes(n)
+            self.size += n
+
+    def _push(self, data: bytes) -> None:
+        self._rev += data[::-1]
+        self.size += len(data)
+
+    def _align(self, n: int) -> None:
+        self._minalign = max(self._minalign, n)
+        self._fill(-self.size % n)
+
+    def _prealign(self, length: int, n: int) -> None:
+        if length == 0:  # C++ PreAlign returns early for empty data: empty vectors are only 4-aligned
+            return
+        self._minalign = max(self._minalign, n)
+        self._fill(-(self.size + length) % n)
+
+    def _push_uoffset(self, off: int) -> None:
+        self._align(4)
+        self._push(struct.pack("<I", self.size - off + 4))
+
+    # -- objects ------------------------------------------------------------------------------------------------
+    def string(self, value: str) -> int:
+        data = value.encode("utf-8")
+        self._prealign(len(data) + 1, 4)
+        self._fill(1)
+        self._push(data)
+        return self._end_vector(len(data))
+
+    def scalar_vector(self, data: bytes, count: int, alignment: int) -> int:
+        """A vector of little-endian scalars already packed in ``data``."""
+        self._prealign(len(data), 4)
+        self._prealign(len(data), alignment)
+        self._push(data)
+        return self._end_vector(count)
+
+    def blob_vector(self, blob: Blob) -> int:
+        """A ``[uint8]`` vector whose contents the writer streams later."""
+        self._prealign(blob.nbytes, 4)
+        if blob.nbytes:
+            self._flush()
+            self._done.append(blob)
+            self.size += blob.nbytes
+        return self._end_vector(blob.nbytes)
+
+    def offset_vector(self, offsets: list[int]) -> int:
+        self._prealign(4 * len(offsets), 4)
+        for off in reversed(offsets):
+            self._push_uoffset(off)
+        return self._end_vector(len(offsets))
+
+    def _end_vector(self, count: int) -> int:
+        self._align(4)
+        self._push(struct.pack("<I", count))
+        return self.size
+
+    # -- tables -------------------------------------------------------------------------------------------------
+    def start_table(self) -> None:
+        self._fields = []
+        self._table_start = self.size
+
+    def add_scalar(self, slot: int, fmt: str, value: int | float | bool, default: int | float | bool) -> None:
+        """Add a scalar field; like C++ (without force_defaults) a value equal to the default is not written."""
+        if value == default:
+            return
+        data = struct.pack("<" + fmt, value)
+        self._align(len(data))
+        self._push(data)
+        self._fields.append((4 + 2 * slot, self.size))
+
+    def add_offset(self, slot: int, off: int | None) -> None:
+        if off is None:
+            return
+        self._push_uoffset(off)
+        self._fields.append((4 + 2 * slot, self.size))
+
+    def end_table(self) -> int:
+        self._align(4)
+        table = self.size + 4  # where the soffset to the vtable ends up
+        vt_size = max([4] + [voff + 2 for voff, _ in self._fields])
+        vtable = [0] * (vt_size // 2)
+        vtable[0], vtable[1] = vt_size, table - self._table_start
+        for voff, off in self._fields:
+            vtable[voff // 2] = table - off
+        vt_bytes = struct.pack(f"<{len(vtable)}H", *vtable)
+        existing = self._vtables.get(vt_bytes)
+        if existing is not None:
+            self._push(struct.pack("<i", existing - table))
+        else:
+            self._push(struct.pack("<i", vt_size))
+            self._push(vt_bytes)
+            self._vtables[vt_bytes] = self.size
+        return table
+
+    def finish(self, root: int, identifier: bytes) -> list[Piece]:
+        """Close the buffer and return its pieces in file order."""
+        self._prealign(4 + len(identifier), self._minalign)
+        self._push(identifier)
+        self._push_uoffset(root)
+        self._flush()
+        return self._done[::-1]
+
+    def _flush(self) -> None:
+        if self._rev:
+            self._done.append(bytes(self._rev[::-1]))
+            self._rev = bytearray()

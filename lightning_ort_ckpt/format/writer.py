@@ -1,0 +1,390 @@
+"""Writes a :class:`Checkpoint` as an ODTC file, byte-identical to ORT 1.19.2's ``CheckpointState.save_checkpoint``.
+
+Saving has two steps, as in ``torch.distributed.checkpoint``: *planning* lays out every byte of the file with
+:class:`LayoutBuilder` (names, dims and offsets only), then *streaming* copies tensor bytes from each tensor's own
+memory to the file. Peak extra memory is a small staging buffer plus, for a tensor that is not contiguous or not on
+the CPU, one bounded chunk of it; the file is never assembled in memory. The commit is atomic (see ``atomic``).
+
+Build order follows ORT's ``FromCheckpointState``: parameters sorted by name (trainable, then frozen), optimizer
+groups, parameters and momentums sorted, properties sorted across the bag, then the root table.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Literal
+
+import numpy as np
+
+from ..errors import CheckpointSaveError
+from . import atomic
+from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue, Tensor
+from .dtypes import DataType, from_numpy, from_torch
+from .layout import MAX_FLATBUFFER_SIZE, Blob, LayoutBuilder, Piece
+from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
+                     OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
+
+ExternalData = Literal["auto", "never", "params", "all"]
+
+_STAGE_BYTES = 4 << 20  # small pieces are gathered up to this size before a write
+_CHUNK_BYTES = 16 << 20  # bound on the copy of a non-contiguous or off-CPU tensor held at once
+_INT64 = (-(2**63), 2**63 - 1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
+                    external_data: ExternalData = "auto") -> None:
+    """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data).
+
+    ``external_data``: ``"auto"`` keeps everything in one file unless it would pass the FlatBuffers 2 GiB limit, then
+    moves parameters (and, if still needed, optimizer momentums) to ``<path>.data``; ``"never"`` refuses instead;
+    ``"params"`` always moves parameters out, as ORT does for a state it loaded with external data; ``"all"`` moves
+    momentums out too, which ORT itself never does.
+    """
+    path = os.fspath(path)
+    tensors = _Tensors(path)
+    plan = _plan_for_mode(checkpoint, tensors, external_data, path)
+    try:
+        with atomic.atomic_save(path, with_data=plan.data_size is not None,
+                                required_bytes=plan.size + (plan.data_size or 0)) as files:
+            written = _stream(files.main, plan.pieces, tensors)
+            if files.data is not None:
+                _stream_external(files.data, plan.external, tensors)
+    except CheckpointSaveError:
+        raise
+    except OSError as e:
+        raise CheckpointSaveError(f"save failed ({e.strerror or e}); the previous checkpoint at this path, if any, "
+                                  "is unchanged", path) from e
+    if written != plan.size:  # pragma: no cover - planner and streamer disagree: a bug, never silently written
+        raise CheckpointSaveError(f"internal error: planned {plan.size} bytes, wrote {written}", path)
+
+
+# -- tensors ----------------------------------------------------------------------------------------------------
+@dataclass
+class _Entry:
+    """What the planner needs to know about one tensor, and where its bytes come from."""
+
+    name: str
+    dtype: DataType
+    dims: tuple[int, ...]
+    nbytes: int
+    source: Any
+    strings: list[str] | None = None
+
+
+class _Tensors:
+    """Describes tensors for the planner and hands them out by blob key to the streamer."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.entries: list[_Entry] = []
+
+    def add(self, name: str, tensor: Tensor, what: str) -> int:
+        if not isinstance(name, str) or not name:
+            raise CheckpointSaveError(f"every {what} needs a non-empty string name, got {name!r}", self.path)
+        try:
+            entry = _describe(name, tensor)
+        except (TypeError, ValueError) as e:
+            raise CheckpointSaveError(f"{what} {name!r}: {e}", self.path) from None
+        self.entries.append(entry)
+        return len(self.entries) - 1
+
+    def chunks(self, key: int) -> Iterator[memoryview]:
+        return _byte_chunks(self.entries[key].source)
+
+
+def _describe(name: str, tensor: Tensor) -> _Entry:
+    if _is_torch(tensor):
+        import torch
+
+        if tensor.layout != torch.strided or tensor.is_quantized:
+            raise TypeError(f"only dense, unquantized tensors can be saved (this one is {tensor.layout})")
+        dtype = from_torch(tensor.dtype)
+        dims = tuple(tensor.shape)
+        return _Entry(name, dtype, dims, tensor.numel() * dtype.itemsize, tensor)
+    array = np.asarray(tensor)
+    dtype = from_numpy(array.dtype)
+    if dtype is DataType.STRING:
+        strings = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in array.reshape(-1).tolist()]
+        return _Entry(name, dtype, array.shape, 0, array, strings)
+    return _Entry(name, dtype, array.shape, array.size * dtype.itemsize, array)
+
+
+def _is_torch(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch")
+
+
+def _byte_chunks(tensor: Any) -> Iterator[memoryview]:
+    """The tensor's bytes in C order, straight from its memory when it is a contiguous CPU tensor."""
+    if _is_torch(tensor):
+        yield from _torch_chunks(tensor)
+        return
+    array = np.asarray(tensor)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if array.size == 0:
+        return
+    if array.flags.c_contiguous:
+        yield memoryview(array.reshape(-1).view(np.uint8))
+        return
+    for part in _row_slices(array.shape, array.itemsize):
+        yield memoryview(np.ascontiguousarray(array[part]).reshape(-1).view(np.uint8))
+
+
+def _torch_chunks(tensor: Any) -> Iterator[memoryview]:
+    import torch
+
+    t = tensor.detach()
+    if t.numel() == 0:
+        return
+    t = t.resolve_conj().resolve_neg()
+    if t.device.type == "cpu" and t.is_contiguous():
+        yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return
+    for part in _row_slices(tuple(t.shape), t.element_size()):
+        yield memoryview(t[part].to("cpu", memory_format=torch.contiguous_format).contiguous()
+                         .reshape(-1).view(torch.uint8).numpy())
+
+
+def _row_slices(shape: tuple[int, ...], itemsize: int) -> Iterator[slice]:
+    """Slices along the first dimension, each at most ``_CHUNK_BYTES`` (or one row)."""
+    row_bytes = math.prod(shape[1:]) * itemsize
+    rows = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+    for start in range(0, shape[0], rows):
+        yield slice(start, start + rows)
+
+
+# -- planning ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    pieces: list[Piece]
+    size: int
+    external: list[tuple[int, int]]  # (padding before the blob, blob key), in .data file order
+    data_size: int | None
+
+
+def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: str) -> _Plan:
+    choices = {"never": [(False, False)], "params": [(True, False)], "all": [(True, True)],
+               "auto": [(False, False), (True, False), (True, True)]}
+    if mode not in choices:
+        raise CheckpointSaveError(f"external_data must be one of {sorted(choices)}, not {mode!r}", path)
+    for params_out, momentums_out in choices[mode]:
+        tensors.entries.clear()
+        plan = _Planner(tensors, params_out, momentums_out).plan(ck)
+        if plan.size <= MAX_FLATBUFFER_SIZE:
+            return plan
+    hint = "" if mode == "auto" else '; use external_data="auto"'
+    raise CheckpointSaveError(f"the checkpoint file would be {plan.size:,} bytes, over the 2 GiB FlatBuffers "
+                              f"limit, with external_data={mode!r}{hint}", path)
+
+
+class _Planner:
+    def __init__(self, tensors: _Tensors, params_out: bool, momentums_out: bool) -> None:
+        self.b = LayoutBuilder()
+        self.tensors = tensors
+        self.params_out = params_out
+        self.momentums_out = momentums_out
+        self.external: list[tuple[int, int]] = []
+        self.data_pos = 0
+        self.path = tensors.path
+
+    def plan(self, ck: Checkpoint) -> _Plan:
+        b = self.b
+        overlap = sorted(ck.trainable.keys() & ck.frozen.keys())
+        if overlap:
+            raise CheckpointSaveError(f"parameter {overlap[0]!r} is both trainable and frozen", self.path)
+        has_params = bool(ck.trainable or ck.frozen)
+        self.params_out &= has_params
+        self.momentums_out &= has_params  # the external-data flag lives in the module state
+        module_state = self._module_state(ck) if has_params else None
+        groups = [self._group(name, ck.optimizer_groups[name]) for name in _sorted(ck.optimizer_groups)]
+        bag = self._property_bag(ck.properties) if ck.properties else None
+        groups_vec = b.offset_vector(groups)
+        b.start_table()
+        b.add_scalar(CheckpointSlot.VERSION, "i", VERSION, 0)
+        b.add_offset(CheckpointSlot.MODULE_STATE, module_state)
+        b.add_offset(CheckpointSlot.OPTIMIZER_GROUPS, groups_vec)
+        b.add_offset(CheckpointSlot.PROPERTY_BAG, bag)
+        pieces = b.finish(b.end_table(), FILE_IDENTIFIER)
+        data_size = self.data_pos if self.params_out or self.momentums_out else None
+        return _Plan(pieces, b.size, self.external, data_size)
+
+    def _tensor(self, name: str, tensor: Tensor, what: str, external: bool, nominal: bool = False) -> int:
+        b = self.b
+        key = self.tensors.add(name, tensor, what)
+        e = self.tensors.entries[key]
+        name_off = b.string(name)
+        dims = () if nominal else e.dims
+        dims_off = b.scalar_vector(struct.pack(f"<{len(dims)}q", *dims), len(dims), 8)
+        if e.strings is not None:
+            data_off = b.offset_vector([b.string(s) for s in e.strings])
+        elif nominal or not external:
+            data_off = b.blob_vector(Blob(key, 0 if nominal else e.nbytes))
+        b.start_table()
+        b.add_offset(TensorSlot.NAME, name_off)
+        b.add_offset(TensorSlot.DIMS, dims_off)
+        b.add_scalar(TensorSlot.DATA_TYPE, "i", int(e.dtype), 0)
+        if e.strings is not None:
+            b.add_offset(TensorSlot.STRING_DATA, data_off)
+        elif external and not nominal:
+            pad = -self.data_pos % e.dtype.external_alignment
+            self.external.append((pad, key))
+            offset = self.data_pos + pad
+            self.data_pos = offset + e.nbytes
+            b.add_scalar(TensorSlot.EXTERNAL_DATA_OFFSET, "q", offset, EXTERNAL_DATA_OFFSET_DEFAULT)
+        else:
+            b.add_offset(TensorSlot.RAW_DATA, data_off)
+        return b.end_table()
+
+    def _module_state(self, ck: Checkpoint) -> int:
+        b = self.b
+        trainable = [self._tensor(n, ck.trainable[n], "trainable parameter", self.params_out, ck.nominal)
+                     for n in _sorted(ck.trainable)]
+        frozen = [self._tensor(n, ck.frozen[n], "frozen parameter", self.params_out, ck.nominal)
+                  for n in _sorted(ck.frozen)]
+        trainable_vec, frozen_vec = b.offset_vector(trainable), b.offset_vector(frozen)
+        b.start_table()
+        b.add_offset(ModuleStateSlot.REQUIRES_GRAD_PARAMS, trainable_vec)
+        b.add_offset(ModuleStateSlot.FROZEN_PARAMS, frozen_vec)
+        b.add_scalar(ModuleStateSlot.IS_NOMINAL_STATE, "?", ck.nominal, False)
+        b.add_scalar(ModuleStateSlot.HAS_EXTERNAL_DATA, "?", self.params_out or self.momentums_out, False)
+        return b.end_table()
+
+    def _group(self, group_name: str, group: OptimizerGroup) -> int:
+        b = self.b
+        states = []
+        for param in _sorted(group.states):
+            momentums = group.states[param]
+            tables = [self._tensor(m, momentums[m], f"optimizer state {group_name}/{param}", self.momentums_out)
+                      for m in _sorted(momentums)]
+            name_off = b.string(self._name(param, "parameter"))
+            vec = b.offset_vector(tables)
+            b.start_table()
+            b.add_offset(ParameterOptimizerStateSlot.PARAM_NAME, name_off)
+            b.add_offset(ParameterOptimizerStateSlot.MOMENTUMS, vec)
+            states.append(b.end_table())
+        name_off = b.string(self._name(group_name, "optimizer group"))
+        vec = b.offset_vector(states)
+        b.start_table()
+        b.add_offset(OptimizerGroupSlot.GROUP_NAME, name_off)
+        b.add_scalar(OptimizerGroupSlot.INITIAL_LEARNING_RATE, "f",
+                     self._float32(group.initial_learning_rate, f"initial_learning_rate of {group_name}"), 0.0)
+        b.add_scalar(OptimizerGroupSlot.STEP, "q", self._int64(group.step, f"step of {group_name}"), 0)
+        b.add_offset(OptimizerGroupSlot.OPTIMIZER_STATES, vec)
+        return b.end_table()
+
+    def _property_bag(self, properties: dict[str, PropertyValue]) -> int:
+        b = self.b
+        by_type: dict[type, list[int]] = {int: [], float: [], str: []}
+        for name in _sorted(properties):
+            value = properties[name]
+            name_off = b.string(self._name(name, "property"))
+            value_off = b.string(value) if isinstance(value, str) else None
+            b.start_table()
+            b.add_offset(PropertySlot.NAME, name_off)
+            if isinstance(value, (bool, int, np.integer)):
+                kind = int
+                b.add_scalar(PropertySlot.VALUE, "q", self._int64(int(value), f"property {name!r}"), 0)
+            elif isinstance(value, (float, np.floating)):
+                kind = float
+                b.add_scalar(PropertySlot.VALUE, "f", self._float32(float(value), f"property {name!r}"), 0.0)
+            elif isinstance(value, str):
+                kind = str
+                b.add_offset(PropertySlot.VALUE, value_off)
+            else:
+                raise CheckpointSaveError(f"property {name!r} must be an int, float or str, not "
+                                          f"{type(value).__name__}", self.path)
+            by_type[kind].append(b.end_table())
+        ints, floats, strings = (b.offset_vector(by_type[k]) for k in (int, float, str))
+        b.start_table()
+        b.add_offset(PropertyBagSlot.INTS, ints)
+        b.add_offset(PropertyBagSlot.FLOATS, floats)
+        b.add_offset(PropertyBagSlot.STRINGS, strings)
+        return b.end_table()
+
+    def _name(self, name: str, what: str) -> str:
+        if not isinstance(name, str):
+            raise CheckpointSaveError(f"{what} names must be strings, got {name!r}", self.path)
+        return name
+
+    def _int64(self, value: int, what: str) -> int:
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise CheckpointSaveError(f"{what} = {value} does not fit in int64", self.path)
+        return value
+
+    def _float32(self, value: float, what: str) -> float:
+        if math.isfinite(value) and abs(value) > _FLOAT32_MAX:
+            raise CheckpointSaveError(f"{what} = {value!r} overflows float32, the format's float type", self.path)
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def _sorted(names: Any) -> list[str]:
+    """ORT sorts with std::sort on std::string: UTF-8 byte order."""
+    return sorted(names, key=lambda n: n.encode("utf-8") if isinstance(n, str) else b"")
+
+
+# -- streaming --------------------------------------------------------------------------------------------------
+def _stream(out: BinaryIO, pieces: list[Piece], tensors: _Tensors) -> int:
+    writer = _Writer(out)
+    for piece in pieces:
+        if isinstance(piece, Blob):
+            writer.blob(tensors, piece.key)
+        else:
+            writer.small(piece)
+    return writer.close()
+
+
+def _stream_external(out: BinaryIO, external: list[tuple[int, int]], tensors: _Tensors) -> int:
+    writer = _Writer(out)
+    for pad, key in external:
+        writer.small(bytes(pad))
+        writer.blob(tensors, key)
+    return writer.close()
+
+
+class _Writer:
+    """Gathers small writes; writes large tensor chunks straight from their memory."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self.stage = bytearray()
+        self.total = 0
+
+    def small(self, data: bytes | memoryview) -> None:
+        self.stage += data
+        if len(self.stage) >= _STAGE_BYTES:
+            self._flush()
+
+    def blob(self, tensors: _Tensors, key: int) -> None:
+        seen = 0
+        for chunk in tensors.chunks(key):
+            seen += chunk.nbytes
+            if chunk.nbytes < _STAGE_BYTES:
+                self.small(chunk)
+            else:
+                self._flush()
+                self._write(chunk)
+        entry = tensors.entries[key]
+        if seen != entry.nbytes:
+            raise CheckpointSaveError(f"tensor {entry.name!r} changed size while it was being saved "
+                                      f"({entry.nbytes} bytes planned, {seen} found)", tensors.path)
+
+    def close(self) -> int:
+        self._flush()
+        return self.total
+
+    def _flush(self) -> None:
+        if self.stage:
+            self._write(memoryview(self.stage))
+            self.stage = bytearray()
+
+    def _write(self, data: memoryview) -> None:
+        data = data.cast("B")
+        while data:
+            n = self.out.write(data)
+            data = data[n:]
+            self.total += n
