@@ -1,0 +1,455 @@
+"""Reads ODTC files: validates every offset before trusting it, then gives lazy, zero-copy access to tensors.
+
+:class:`CheckpointReader` memory-maps the file and parses only the metadata (names, dims, offsets), checking the
+identifier, the version, that every offset and length is inside the file, that dims are non-negative and that
+``numel x itemsize`` equals the stored length (Python integers: no overflow), and that an external ``.data`` file is
+present and long enough. Any fault raises :class:`CorruptCheckpointError` naming the file and the fault; nothing is
+allocated from a size the file claims before that size is checked against the file. Tensor bytes are touched only
+when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads.
+
+torch is imported only when tensors are requested; metadata and numpy access work without it.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from . import atomic
+from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
+from .dtypes import DataType
+from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
+                     OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
+
+Storage = Literal["inline", "external", "strings", "none"]
+Kind = Literal["trainable", "frozen", "momentum"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are and what they mean.
+
+    ``offset`` is the byte offset of the data in the checkpoint (``storage == "inline"``) or in its ``.data`` file
+    (``"external"``). ``"strings"`` is a STRING tensor; ``"none"`` a tensor of a nominal checkpoint without data.
+    """
+
+    name: str
+    kind: Kind
+    dtype: DataType
+    shape: tuple[int, ...]
+    nbytes: int
+    storage: Storage
+    offset: int
+    doc_string: str | None = None
+    string_offsets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """An optimizer group's scalars and its momentums: parameter name -> momentum name -> tensor."""
+
+    name: str
+    step: int
+    initial_learning_rate: float
+    states: dict[str, dict[str, TensorInfo]] = field(default_factory=dict)
+
+
+class CheckpointReader:
+    """An open ODTC checkpoint. Use as a context manager; tensors it returned stay valid after :meth:`close`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        atomic.recover(self.path)
+        self._data_mm: mmap.mmap | None = None
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < 8:
+                    raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {size} bytes", self.path)
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except FileNotFoundError:
+            raise CorruptCheckpointError("no such checkpoint file", self.path) from None
+        except IsADirectoryError:
+            raise CorruptCheckpointError("is a directory, not a checkpoint file", self.path) from None
+        self._parse()
+
+    # -- public -------------------------------------------------------------------------------------------------
+    version: int
+    nominal: bool
+    has_external_data: bool
+    trainable: dict[str, TensorInfo]
+    frozen: dict[str, TensorInfo]
+    optimizer_groups: dict[str, GroupInfo]
+    properties: dict[str, PropertyValue]
+
+    @property
+    def data_path(self) -> str:
+        return atomic.data_path(self.path)
+
+    def tensors(self) -> list[TensorInfo]:
+        """Every tensor: trainable, frozen, then optimizer momentums."""
+        out = [*self.trainable.values(), *self.frozen.values()]
+        for group in self.optimizer_groups.values():
+            for momentums in group.states.values():
+                out.extend(momentums.values())
+        return out
+
+    def get_tensor(self, name: str) -> Any:
+        """A parameter or buffer as a torch tensor, zero-copy from the file where alignment allows."""
+        info = self.trainable.get(name) or self.frozen.get(name)
+        if info is None:
+            raise KeyError(f"{self.path}: no parameter named {name!r}")
+        return self.torch(info)
+
+    def torch(self, info: TensorInfo) -> Any:
+        """The tensor ``info`` describes. Writes to it never reach the file (the mapping is copy-on-write)."""
+        import torch
+
+        dtype = self._checked_dtype(info).to_torch()
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        raw = torch.frombuffer(self._map_for(info), dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+        if info.offset % info.dtype.itemsize:  # ORT leaves int64/double data 4-aligned: copy those
+            raw = raw.clone()
+        return raw.view(dtype).reshape(info.shape)
+
+    def numpy(self, info: TensorInfo) -> np.ndarray:
+        """The tensor as a read-only numpy array (bfloat16 and float8 come back as raw unsigned ints)."""
+        if info.storage == "strings":
+            return np.array(self._strings(info), dtype=object).reshape(info.shape)
+        dtype = self._checked_dtype(info).to_numpy()
+        if info.nbytes == 0:
+            return np.empty(info.shape, dtype=dtype)
+        array = np.frombuffer(self._map_for(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return array.view(dtype).reshape(info.shape)
+
+    def load(self) -> Checkpoint:
+        """Everything, as a :class:`Checkpoint` of fresh torch tensors (every byte read, nothing left mapped)."""
+        import torch
+
+        fresh: dict[int, Any] = {}
+        todo = sorted(self.tensors(), key=lambda i: (i.storage, i.offset))
+        files = {"inline": self.path, "external": self.data_path}
+        fds = {}
+        try:
+            for info in todo:
+                if info.storage == "strings":
+                    fresh[id(info)] = self.numpy(info)
+                    continue
+                t = torch.empty(info.shape, dtype=self._checked_dtype(info).to_torch())
+                fresh[id(info)] = t
+                if info.nbytes:
+                    if info.storage not in fds:
+                        fds[info.storage] = os.open(files[info.storage], os.O_RDONLY)
+                    _pread_into(fds[info.storage], t.reshape(-1).view(torch.uint8).numpy(), info.offset,
+                                files[info.storage])
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return Checkpoint(
+            trainable={n: fresh[id(i)] for n, i in self.trainable.items()},
+            frozen={n: fresh[id(i)] for n, i in self.frozen.items()},
+            optimizer_groups={g.name: OptimizerGroup(g.step, g.initial_learning_rate,
+                                                     {p: {m: fresh[id(i)] for m, i in ms.items()}
+                                                      for p, ms in g.states.items()})
+                              for g in self.optimizer_groups.values()},
+            properties=dict(self.properties), nominal=self.nominal)
+
+    def close(self) -> None:
+        for mm in (self._mm, self._data_mm):
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # tensors handed out still use the mapping; it goes away with them
+                    pass
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- parsing ------------------------------------------------------------------------------------------------
+    def _fail(self, message: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(message, self.path)
+
+    def _parse(self) -> None:
+        p = _Parser(self._mm, self._fail)
+        if bytes(self._mm[4:8]) != FILE_IDENTIFIER:
+            raise self._fail(f"not an ORT checkpoint: file identifier is {bytes(self._mm[4:8])!r}, expected 'ODTC'")
+        root = p.table(p.u32(0, "root offset"), "Checkpoint")
+        self.version = p.scalar(root, CheckpointSlot.VERSION, "i", 0)
+        if self.version != VERSION:
+            raise self._fail(f"checkpoint format version {self.version} is not supported (only {VERSION})")
+        self.trainable, self.frozen = {}, {}
+        self.nominal = self.has_external_data = False
+        self._external: list[TensorInfo] = []
+        ms_pos = p.offset(root, CheckpointSlot.MODULE_STATE)
+        if ms_pos is not None:
+            ms = p.table(ms_pos, "module_state")
+            self.nominal = bool(p.scalar(ms, ModuleStateSlot.IS_NOMINAL_STATE, "?", False))
+            self.has_external_data = bool(p.scalar(ms, ModuleStateSlot.HAS_EXTERNAL_DATA, "?", False))
+            seen: set[str] = set()
+            for slot, kind, target in ((ModuleStateSlot.REQUIRES_GRAD_PARAMS, "trainable", self.trainable),
+                                       (ModuleStateSlot.FROZEN_PARAMS, "frozen", self.frozen)):
+                for i, pos in enumerate(p.table_vector(ms, slot, f"module_state.{kind}")):
+                    info = self._tensor(p, pos, kind, f"{kind} parameter #{i}")
+                    if info.name in seen:
+                        raise self._fail(f"parameter {info.name!r} appears more than once")
+                    seen.add(info.name)
+                    target[info.name] = info
+        self.optimizer_groups = {}
+        for i, pos in enumerate(p.table_vector(root, CheckpointSlot.OPTIMIZER_GROUPS, "optimizer_groups")):
+            group = self._group(p, pos, f"optimizer group #{i}")
+            if group.name in self.optimizer_groups:
+                raise self._fail(f"optimizer group {group.name!r} appears more than once")
+            self.optimizer_groups[group.name] = group
+        self.properties = self._properties(p, p.offset(root, CheckpointSlot.PROPERTY_BAG))
+        self._check_external_data()
+
+    def _tensor(self, p: _Parser, pos: int, kind: Kind, where: str) -> TensorInfo:
+        t = p.table(pos, where)
+        name = p.string_field(t, TensorSlot.NAME, where)
+        if not name:
+            raise self._fail(f"{where} has no name")
+        where = f"{kind} tensor {name!r}" if kind != "momentum" else f"{where} {name!r}"
+        doc_pos = p.offset(t, TensorSlot.DOC_STRING)
+        doc = None if doc_pos is None else p.string(doc_pos, f"{where} doc_string")
+        dims_pos = p.offset(t, TensorSlot.DIMS)
+        if dims_pos is None:
+            raise self._fail(f"{where} has no dims")
+        count, start = p.vector(dims_pos, 8, f"{where} dims")
+        dims = struct.unpack_from(f"<{count}q", self._mm, start)
+        if any(d < 0 for d in dims):
+            raise self._fail(f"{where} has a negative dimension in its shape {list(dims)}")
+        code = p.scalar(t, TensorSlot.DATA_TYPE, "i", 0)
+        try:
+            dtype = DataType(code)
+        except ValueError:
+            raise self._fail(f"{where} has unknown data type {code}") from None
+        numel = math.prod(dims)
+        nbytes = numel * dtype.itemsize
+        raw_pos = p.offset(t, TensorSlot.RAW_DATA)
+        strings_pos = p.offset(t, TensorSlot.STRING_DATA)
+        ext = p.scalar(t, TensorSlot.EXTERNAL_DATA_OFFSET, "q", EXTERNAL_DATA_OFFSET_DEFAULT)
+        shape = tuple(dims)
+        if dtype is DataType.STRING:
+            if strings_pos is None:
+                raise self._fail(f"{where} is a STRING tensor without string_data")
+            offsets = tuple(p.table_vector_at(strings_pos, f"{where} string_data"))
+            if len(offsets) != numel:
+                raise self._fail(f"{where} has shape {list(shape)} ({numel} elements) but {len(offsets)} strings")
+            for i, off in enumerate(offsets):
+                p.string(off, f"{where} string #{i}")
+            return TensorInfo(name, kind, dtype, shape, 0, "strings", -1, doc, offsets)
+        if ext != EXTERNAL_DATA_OFFSET_DEFAULT:
+            if not self.has_external_data:
+                raise self._fail(f"{where} points into external data, but the checkpoint says it has none")
+            if ext < 0:
+                raise self._fail(f"{where} has a negative external data offset {ext}")
+            info = TensorInfo(name, kind, dtype, shape, nbytes, "external", ext, doc)
+            self._external.append(info)
+            return info
+        if raw_pos is None:
+            raise self._fail(f"{where} has neither raw data nor an external data offset")
+        length, start = p.vector(raw_pos, 1, f"{where} raw_data")
+        if self.nominal and length == 0 and not dims:
+            return TensorInfo(name, kind, dtype, (), 0, "none", -1, doc)
+        if length != nbytes:
+            raise self._fail(f"{where} has shape {list(shape)} and type {dtype.name}, which need {nbytes:,} bytes, "
+                             f"but its data holds {length:,} bytes")
+        return TensorInfo(name, kind, dtype, shape, nbytes, "inline", start, doc)
+
+    def _group(self, p: _Parser, pos: int, where: str) -> GroupInfo:
+        g = p.table(pos, where)
+        name = p.string_field(g, OptimizerGroupSlot.GROUP_NAME, where)
+        where = f"optimizer group {name!r}"
+        states: dict[str, dict[str, TensorInfo]] = {}
+        for i, spos in enumerate(p.table_vector(g, OptimizerGroupSlot.OPTIMIZER_STATES, f"{where} states")):
+            s = p.table(spos, f"{where} state #{i}")
+            param = p.string_field(s, ParameterOptimizerStateSlot.PARAM_NAME, f"{where} state #{i}")
+            if param in states:
+                raise self._fail(f"{where} has state for parameter {param!r} more than once")
+            momentums: dict[str, TensorInfo] = {}
+            for j, mpos in enumerate(p.table_vector(s, ParameterOptimizerStateSlot.MOMENTUMS,
+                                                    f"{where} state of {param!r}")):
+                info = self._tensor(p, mpos, "momentum", f"{where} state of {param!r}:")
+                if info.name in momentums:
+                    raise self._fail(f"{where} state of {param!r} has {info.name!r} more than once")
+                momentums[info.name] = info
+            states[param] = momentums
+        return GroupInfo(name, p.scalar(g, OptimizerGroupSlot.STEP, "q", 0),
+                         p.scalar(g, OptimizerGroupSlot.INITIAL_LEARNING_RATE, "f", 0.0), states)
+
+    def _properties(self, p: _Parser, pos: int | None) -> dict[str, PropertyValue]:
+        out: dict[str, PropertyValue] = {}
+        if pos is None:
+            return out
+        bag = p.table(pos, "property_bag")
+        for slot, kind in ((PropertyBagSlot.INTS, "q"), (PropertyBagSlot.FLOATS, "f"), (PropertyBagSlot.STRINGS, "s")):
+            for i, ppos in enumerate(p.table_vector(bag, slot, f"property_bag.{slot.name.lower()}")):
+                where = f"property #{i} of {slot.name.lower()}"
+                t = p.table(ppos, where)
+                name = p.string_field(t, PropertySlot.NAME, where)
+                if kind == "s":
+                    value: PropertyValue = p.string_field(t, PropertySlot.VALUE, f"property {name!r}")
+                else:
+                    value = p.scalar(t, PropertySlot.VALUE, kind, 0)
+                out[name] = value  # as in ORT, a later duplicate replaces an earlier one
+        return out
+
+    def _check_external_data(self) -> None:
+        if not self.has_external_data:
+            return
+        try:
+            size = os.stat(self.data_path).st_size
+        except FileNotFoundError:
+            raise self._fail(f"its external data file {self.data_path} is missing") from None
+        for info in self._external:
+            if info.offset + info.nbytes > size:
+                raise self._fail(f"{info.kind} tensor {info.name!r} needs bytes {info.offset:,}..."
+                                 f"{info.offset + info.nbytes:,} of {self.data_path}, which has only {size:,}")
+
+    # -- data access --------------------------------------------------------------------------------------------
+    def _checked_dtype(self, info: TensorInfo) -> DataType:
+        if info.storage == "none":
+            raise CorruptCheckpointError(f"{info.kind} tensor {info.name!r} has no data: this is a nominal "
+                                         "checkpoint (names and types only)", self.path)
+        if info.storage == "strings":
+            raise CorruptCheckpointError(f"{info.kind} tensor {info.name!r} holds strings; use numpy()", self.path)
+        return info.dtype
+
+    def _map_for(self, info: TensorInfo) -> mmap.mmap:
+        if info.storage == "inline":
+            return self._mm
+        if self._data_mm is None:
+            with open(self.data_path, "rb") as f:
+                self._data_mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            if len(self._data_mm) < max(i.offset + i.nbytes for i in self._external):
+                raise self._fail(f"its external data file {self.data_path} shrank while it was open")
+        return self._data_mm
+
+    def _strings(self, info: TensorInfo) -> list[str]:
+        p = _Parser(self._mm, self._fail)
+        return [p.string(off, f"{info.name} string") for off in info.string_offsets]
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
+    """Open ``path`` for lazy access; see :class:`CheckpointReader`."""
+    return CheckpointReader(path)
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read the whole checkpoint at ``path`` into fresh torch tensors."""
+    with CheckpointReader(path) as reader:
+        return reader.load()
+
+
+def _pread_into(fd: int, out: np.ndarray, offset: int, path: str) -> None:
+    view = memoryview(out).cast("B")
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise CorruptCheckpointError(f"file ended early at byte {offset:,}", path)
+        view, offset = view[n:], offset + n
+
+
+class _Table:
+    __slots__ = ("pos", "vt", "vt_size", "obj_size", "where")
+
+    def __init__(self, pos: int, vt: int, vt_size: int, obj_size: int, where: str) -> None:
+        self.pos, self.vt, self.vt_size, self.obj_size, self.where = pos, vt, vt_size, obj_size, where
+
+
+class _Parser:
+    """Bounds- and alignment-checked FlatBuffers access (the checks of flatbuffers' Verifier)."""
+
+    def __init__(self, buf: mmap.mmap, fail: Any) -> None:
+        self.buf = buf
+        self.size = len(buf)
+        self.fail = fail
+
+    def _check(self, pos: int, nbytes: int, align: int, what: str) -> None:
+        if pos < 0 or pos + nbytes > self.size:
+            raise self.fail(f"{what} at byte {pos:,} lies outside the file ({self.size:,} bytes): truncated or damaged")
+        if pos % align:
+            raise self.fail(f"{what} at byte {pos:,} is not {align}-byte aligned")
+
+    def u32(self, pos: int, what: str) -> int:
+        self._check(pos, 4, 4, what)
+        return struct.unpack_from("<I", self.buf, pos)[0]
+
+    def table(self, pos: int, where: str) -> _Table:
+        self._check(pos, 4, 4, where)
+        vt = pos - struct.unpack_from("<i", self.buf, pos)[0]
+        self._check(vt, 4, 2, f"{where} vtable")
+        vt_size, obj_size = struct.unpack_from("<HH", self.buf, vt)
+        if vt_size < 4 or vt_size % 2:
+            raise self.fail(f"{where} has a malformed vtable (size {vt_size})")
+        self._check(vt, vt_size, 2, f"{where} vtable")
+        if obj_size < 4:
+            raise self.fail(f"{where} has a malformed table (size {obj_size})")
+        self._check(pos, obj_size, 4, where)
+        return _Table(pos, vt, vt_size, obj_size, where)
+
+    def _field(self, t: _Table, slot: int, nbytes: int) -> int | None:
+        entry = 4 + 2 * slot
+        if entry + 2 > t.vt_size:
+            return None
+        voff = struct.unpack_from("<H", self.buf, t.vt + entry)[0]
+        if voff == 0:
+            return None
+        if voff + nbytes > t.obj_size:
+            raise self.fail(f"{t.where}: field {slot} lies outside its table")
+        return t.pos + voff
+
+    def scalar(self, t: _Table, slot: int, fmt: str, default: Any) -> Any:
+        size = struct.calcsize(fmt)
+        pos = self._field(t, slot, size)
+        if pos is None:
+            return default
+        self._check(pos, size, size, f"{t.where} field {slot}")
+        return struct.unpack_from("<" + fmt, self.buf, pos)[0]
+
+    def offset(self, t: _Table, slot: int) -> int | None:
+        pos = self._field(t, slot, 4)
+        if pos is None:
+            return None
+        return pos + self.u32(pos, f"{t.where} field {slot}")
+
+    def vector(self, pos: int, elem_size: int, what: str) -> tuple[int, int]:
+        count = self.u32(pos, what)
+        self._check(pos + 4, count * elem_size, min(elem_size, 8) if count else 1, what)
+        return count, pos + 4
+
+    def table_vector(self, t: _Table, slot: int, what: str) -> list[int]:
+        pos = self.offset(t, slot)
+        return [] if pos is None else self.table_vector_at(pos, what)
+
+    def table_vector_at(self, pos: int, what: str) -> list[int]:
+        count, start = self.vector(pos, 4, what)
+        rel = struct.unpack_from(f"<{count}I", self.buf, start)
+        return [start + 4 * i + r for i, r in enumerate(rel)]
+
+    def string(self, pos: int, what: str) -> str:
+        length, start = self.vector(pos, 1, what)
+        self._check(start + length, 1, 1, f"{what} terminator")
+        if self.buf[start + length] != 0:
+            raise self.fail(f"{what} is not NUL-terminated")
+        try:
+            return bytes(self.buf[start:start + length]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def string_field(self, t: _Table, slot: int, what: str) -> str:
+        pos = self.offset(t, slot)
+        if pos is None:
+            raise self.fail(f"{what} has no {('name' if slot == 0 else 'value')}")
+        return self.string(pos, f"{what} name" if slot == 0 else what)
