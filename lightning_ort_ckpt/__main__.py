@@ -1,0 +1,7 @@
+"""``python -m lightning_ort_ckpt`` is the ``ort-ckpt`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,143 @@
+"""The ``ort-ckpt`` command: look inside and check ORT checkpoints. Runs without torch.
+
+``ort-ckpt inspect FILE [--json]`` lists tensors, optimizer groups, properties and totals; ``ort-ckpt verify FILE``
+runs every check of the reader and exits 0 when the file is valid, 1 when it is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import CheckpointError
+from .format.reader import CheckpointReader, TensorInfo
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ort-ckpt", description="Inspect and verify ONNX Runtime training "
+                                     "checkpoints (ODTC files).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_inspect = sub.add_parser("inspect", help="list tensors, optimizer state and properties")
+    p_inspect.add_argument("file")
+    p_inspect.add_argument("--json", action="store_true", help="print one JSON document for scripts")
+    p_verify = sub.add_parser("verify", help="validate the file completely; exit status 0 if valid, 1 if not")
+    p_verify.add_argument("file")
+    args = parser.parse_args(argv)
+    try:
+        with CheckpointReader(args.file) as reader:
+            report = describe(reader)
+    except CheckpointError as e:
+        if args.command == "inspect" and args.json:
+            print(json.dumps({"file": args.file, "valid": False, "error": str(e)}))
+        else:
+            print(f"INVALID {e}" if args.command == "verify" else f"error: {e}", file=sys.stderr)
+        return 1
+    if args.command == "verify":
+        print(f"OK {args.file}: {_summary(report)}")
+        for warning in report["ort_warnings"]:
+            print(f"  note: {warning}")
+        return 0
+    print(json.dumps(report, indent=2) if args.json else _render(report))
+    return 0
+
+
+def describe(reader: CheckpointReader) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as plain data."""
+    files = {reader.path: os.path.getsize(reader.path)}
+    if reader.has_external_data:
+        files[reader.data_path] = os.path.getsize(reader.data_path)
+    params = [_tensor(i) for i in (*reader.trainable.values(), *reader.frozen.values())]
+    groups = []
+    for g in reader.optimizer_groups.values():
+        momentums = [m for ms in g.states.values() for m in ms.values()]
+        groups.append({"name": g.name, "step": g.step, "initial_learning_rate": g.initial_learning_rate,
+                       "parameters": len(g.states), "momentum_names": sorted({m.name for m in momentums}),
+                       "bytes": sum(m.nbytes for m in momentums),
+                       "states": {p: [_tensor(m) for m in ms.values()] for p, ms in g.states.items()}})
+    props = [{"name": n, "type": type(v).__name__, "value": v} for n, v in reader.properties.items()]
+    every = reader.tensors()
+    return {
+        "file": reader.path, "files": files, "version": reader.version, "nominal": reader.nominal,
+        "external_data": reader.has_external_data, "parameters": params, "optimizer_groups": groups,
+        "properties": props,
+        "totals": {"trainable": len(reader.trainable), "frozen": len(reader.frozen),
+                   "trainable_elements": sum(_numel(i) for i in reader.trainable.values()),
+                   "frozen_elements": sum(_numel(i) for i in reader.frozen.values()),
+                   "tensors": len(every), "data_bytes": sum(i.nbytes for i in every),
+                   "file_bytes": sum(files.values())},
+        "ort_warnings": _ort_warnings(reader),
+    }
+
+
+def _tensor(info: TensorInfo) -> dict[str, Any]:
+    return {"name": info.name, "kind": info.kind, "dtype": info.dtype.name, "shape": list(info.shape),
+            "bytes": info.nbytes, "storage": info.storage}
+
+
+def _numel(info: TensorInfo) -> int:
+    n = 1
+    for d in info.shape:
+        n *= d
+    return n
+
+
+def _ort_warnings(reader: CheckpointReader) -> list[str]:
+    """What keeps ORT 1.19.2's CheckpointState from loading or training from this file."""
+    out = []
+    bad = sorted({i.dtype.name for i in reader.tensors() if not i.dtype.ort_loadable})
+    if bad:
+        out.append(f"ORT 1.19.2 cannot load tensors of type {', '.join(bad)}")
+    if reader.nominal:
+        out.append("nominal checkpoint: names and types only, no data to train from")
+    return out
+
+
+def _summary(r: dict[str, Any]) -> str:
+    t = r["totals"]
+    return (f"{t['trainable']} trainable and {t['frozen']} frozen tensors, {len(r['optimizer_groups'])} optimizer "
+            f"group(s), {len(r['properties'])} properties, {_size(t['file_bytes'])}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""  # unreachable
+
+
+def _f32(value: float) -> str:
+    """The shortest text that reads back as the same float32 (the format's float type)."""
+    return str(np.float32(value))
+
+
+def _render(r: dict[str, Any]) -> str:
+    lines = [f"{path}: {_size(size)}" for path, size in r["files"].items()]
+    lines.append(f"format ODTC version {r['version']}; external data: {'yes' if r['external_data'] else 'no'}; "
+                 f"nominal: {'yes' if r['nominal'] else 'no'}")
+    if r["parameters"]:
+        width = max(len(p["name"]) for p in r["parameters"])
+        lines += ["", f"{'parameter':<{width}}  {'kind':<9}  {'dtype':<14}  {'shape':<18}  {'bytes':>12}  storage"]
+        for p in r["parameters"]:
+            lines.append(f"{p['name']:<{width}}  {p['kind']:<9}  {p['dtype']:<14}  {str(p['shape']):<18}  "
+                         f"{p['bytes']:>12,}  {p['storage']}")
+    for g in r["optimizer_groups"]:
+        lines += ["", f"optimizer group {g['name']}: step {g['step']}, initial learning rate "
+                      f"{_f32(g['initial_learning_rate'])}, {g['parameters']} parameters, momentums "
+                      f"{', '.join(g['momentum_names']) or '-'} ({_size(g['bytes'])})"]
+    if r["properties"]:
+        lines += ["", "properties:"]
+        lines += [f"  {p['name']} ({p['type']}) = {_f32(p['value']) if p['type'] == 'float' else repr(p['value'])}"
+                  for p in r["properties"]]
+    t = r["totals"]
+    lines += ["", f"totals: {t['trainable']} trainable ({t['trainable_elements']:,} elements), {t['frozen']} frozen "
+                  f"({t['frozen_elements']:,} elements), {t['tensors']} tensors, {_size(t['data_bytes'])} of data, "
+                  f"{_size(t['file_bytes'])} on disk"]
+    lines += [f"note: {w}" for w in r["ort_warnings"]]
+    return "\n".join(lines)

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Runs the whole test suite in a project-local virtualenv that this script creates and fills by itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+exec "$VENV/bin/python" -m pytest "$@"
