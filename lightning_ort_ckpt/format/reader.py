@@ -143,6 +143,9 @@ class CheckpointReader:
                 if info.storage == "strings":
                     fresh[id(info)] = self.numpy(info)
                     continue
+                if info.storage == "none":  # nominal: the name and dtype are all there is
+                    fresh[id(info)] = torch.empty(0, dtype=info.dtype.to_torch())
+                    continue
                 t = torch.empty(info.shape, dtype=self._checked_dtype(info).to_torch())
                 fresh[id(info)] = t
                 if info.nbytes:
