@@ -212,9 +212,6 @@ def test_we_resave_ort_written_file_identically(ort_trained, tmp_path, name):
         assert ck.properties["best_loss"] == 0.10000000149011612 and type(ck.properties["int_zero"]) is int
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="library bug: an ORT FloatProperty of 0.0 (value omitted on disk) reads back as int 0, "
-                          "so our re-save writes it as an IntProperty and the bytes differ")
 def test_we_resave_ort_zero_float_property_identically(art, tmp_path):
     state = ort_load(art.checkpoint)
     state.properties["zero_f"] = 0.0

@@ -309,9 +309,6 @@ def test_properties_of_all_types(tmp_path):
     assert load_checkpoint(tmp_path / "zero.ckpt").properties == {"a": 0, "b": 0.0}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="library bug: the reader returns the default of an omitted FloatProperty value "
-                          "as int 0, not float 0.0, so re-saving moves the property to the ints vector")
 def test_zero_float_property_stays_a_float(tmp_path):
     path = tmp_path / "zero.ckpt"
     save_checkpoint(Checkpoint(properties={"i": 0, "f": 0.0}), path)
@@ -514,10 +511,6 @@ def test_numpy_arrays_stay_valid_after_close(tmp_path, mode):
     assert float(a.sum()) == 4096 * 4095 / 2
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="library bug: torch.frombuffer does not hold a buffer export on the mmap, so "
-                          "CheckpointReader.close() unmaps memory that tensors from get_tensor()/torch() still use "
-                          "(reading them after the `with` block segfaults)")
 @pytest.mark.parametrize("mode", ["never", "params"])
 def test_torch_tensors_stay_valid_after_close(tmp_path, mode):
     # in a subprocess: the failure mode is a segfault, which would take the whole test run down
