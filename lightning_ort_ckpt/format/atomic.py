@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from ..errors import CheckpointSaveError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 
 DATA_SUFFIX = ".data"
 JOURNAL_SUFFIX = ".commit"
@@ -67,13 +67,17 @@ def atomic_save(path: str, *, with_data: bool, required_bytes: int) -> Iterator[
         for f in opened:
             os.fsync(f.fileno())
             f.close()
-    except BaseException:
+    except BaseException as e:
         for f in opened:
             f.close()
         for tmp in (tmp_main, tmp_data):
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+        # e.g. a tensor whose copy fails midway (a meta tensor); the writer words OSErrors (EFBIG, ENOSPC) itself
+        if isinstance(e, Exception) and not isinstance(e, (CheckpointError, OSError)):
+            raise CheckpointSaveError(f"save failed ({type(e).__name__}: {e}); the previous checkpoint at this "
+                                      "path, if any, is unchanged", path) from e
         raise
     _commit(path, directory, tmp_main, tmp_data)
 
@@ -171,7 +175,8 @@ def _fsync_dir(directory: str) -> None:
 
 def _sweep_stale(directory: str, base: str) -> None:
     """Queue for deletion the leftovers of saves to this path by processes that no longer run."""
-    pattern = re.compile(rf"^\.{re.escape(base)}(?:{re.escape(DATA_SUFFIX)})?\.(\d+)\.[0-9a-f]+\.(?:tmp|old)$")
+    pattern = re.compile(rf"^(?:\.{re.escape(base)}(?:{re.escape(DATA_SUFFIX)})?|{re.escape(base + JOURNAL_SUFFIX)})"
+                         rf"\.(\d+)\.[0-9a-f]+\.(?:tmp|old)$")  # the last: a journal killed before its rename
     with os.scandir(directory) as entries:
         for entry in entries:
             m = pattern.match(entry.name)

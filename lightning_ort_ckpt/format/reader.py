@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -69,15 +70,21 @@ class CheckpointReader:
         atomic.recover(self.path)
         self._data_mm: mmap.mmap | None = None
         try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < 8:
-                    raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {size} bytes", self.path)
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except FileNotFoundError:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not hang
+        except (FileNotFoundError, NotADirectoryError):
             raise CorruptCheckpointError("no such checkpoint file", self.path) from None
-        except IsADirectoryError:
-            raise CorruptCheckpointError("is a directory, not a checkpoint file", self.path) from None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise CorruptCheckpointError("is a directory, not a checkpoint file", self.path)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError("is not a regular file (a FIFO, socket or device), not a checkpoint",
+                                             self.path)
+            if st.st_size < 8:
+                raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {st.st_size} bytes", self.path)
+            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
         self._parse()
 
     # -- public -------------------------------------------------------------------------------------------------
@@ -239,6 +246,8 @@ class CheckpointReader:
             raise self._fail(f"{where} has unknown data type {code}") from None
         numel = math.prod(dims)
         nbytes = numel * dtype.itemsize
+        if math.prod(max(d, 1) for d in dims) * max(dtype.itemsize, 1) > _MAX_ARRAY_BYTES:  # even with a 0 dim
+            raise self._fail(f"{where} has shape {list(dims)}, too large for numpy or torch to represent")
         raw_pos = p.offset(t, TensorSlot.RAW_DATA)
         strings_pos = p.offset(t, TensorSlot.STRING_DATA)
         ext = p.scalar(t, TensorSlot.EXTERNAL_DATA_OFFSET, "q", EXTERNAL_DATA_OFFSET_DEFAULT)
@@ -312,9 +321,12 @@ class CheckpointReader:
         if not self.has_external_data:
             return
         try:
-            size = os.stat(self.data_path).st_size
+            st = os.stat(self.data_path)
         except FileNotFoundError:
             raise self._fail(f"its external data file {self.data_path} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise self._fail(f"its external data file {self.data_path} is not a regular file")
+        size = st.st_size
         for info in self._external:
             if info.offset + info.nbytes > size:
                 raise self._fail(f"{info.kind} tensor {info.name!r} needs bytes {info.offset:,}..."
@@ -353,6 +365,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read the whole checkpoint at ``path`` into fresh torch tensors."""
     with CheckpointReader(path) as reader:
         return reader.load()
+
+
+_MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
 
 
 def _pread_into(fd: int, out: np.ndarray, offset: int, path: str) -> None:
