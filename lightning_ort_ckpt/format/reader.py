@@ -122,10 +122,12 @@ class CheckpointReader:
         dtype = self._checked_dtype(info).to_torch()
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=dtype)
-        raw = torch.frombuffer(self._map_for(info), dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+        # Through numpy: the array holds a buffer export on the mapping, and the tensor holds the array, so the
+        # mapping outlives close() for as long as any tensor uses it (torch.frombuffer would not keep it alive).
+        raw = np.frombuffer(self._map_for(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
         if info.offset % info.dtype.itemsize:  # ORT leaves int64/double data 4-aligned: copy those
-            raw = raw.clone()
-        return raw.view(dtype).reshape(info.shape)
+            raw = raw.copy()
+        return torch.from_numpy(raw).view(dtype).reshape(info.shape)
 
     def numpy(self, info: TensorInfo) -> np.ndarray:
         """The tensor as a read-only numpy array (bfloat16 and float8 come back as raw unsigned ints)."""
@@ -313,7 +315,7 @@ class CheckpointReader:
                 if kind == "s":
                     value: PropertyValue = p.string_field(t, PropertySlot.VALUE, f"property {name!r}")
                 else:
-                    value = p.scalar(t, PropertySlot.VALUE, kind, 0)
+                    value = p.scalar(t, PropertySlot.VALUE, kind, 0.0 if kind == "f" else 0)
                 out[name] = value  # as in ORT, a later duplicate replaces an earlier one
         return out
 
