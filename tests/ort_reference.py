@@ -35,6 +35,25 @@ def assert_same_tensor(actual: Any, expected: Any, what: str = "") -> None:
     assert raw_bytes(actual) == raw_bytes(expected), f"{what}: bytes differ"
 
 
+def assert_same_checkpoint(actual: Any, expected: Any) -> None:
+    """Two in-memory Checkpoints hold the same names, bitwise-identical tensors, scalars and properties."""
+    assert actual.trainable.keys() == expected.trainable.keys() and actual.frozen.keys() == expected.frozen.keys()
+    for kind in ("trainable", "frozen"):
+        for name, tensor in getattr(expected, kind).items():
+            assert_same_tensor(getattr(actual, kind)[name], tensor, name)
+    assert actual.optimizer_groups.keys() == expected.optimizer_groups.keys()
+    for group_name, ge in expected.optimizer_groups.items():
+        ga = actual.optimizer_groups[group_name]
+        assert (ga.step, ga.initial_learning_rate) == (ge.step, ge.initial_learning_rate), group_name
+        assert ga.states.keys() == ge.states.keys(), group_name
+        for param, momentums in ge.states.items():
+            assert ga.states[param].keys() == momentums.keys(), param
+            for m, tensor in momentums.items():
+                assert_same_tensor(ga.states[param][m], tensor, f"{group_name}/{param}/{m}")
+    assert actual.properties == expected.properties
+    assert actual.nominal == expected.nominal
+
+
 def file_bytes(path: str | os.PathLike[str]) -> bytes:
     with open(path, "rb") as f:
         return f.read()

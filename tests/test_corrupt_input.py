@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 
+from ort_reference import assert_same_checkpoint
+
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError
 from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import reader as reader_mod
@@ -71,26 +73,6 @@ def read_everything(path: Path) -> Checkpoint:
     return ck
 
 
-def assert_same(a: Checkpoint, b: Checkpoint) -> None:
-    def eq(x, y):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) if x.numel() else True
-
-    assert a.trainable.keys() == b.trainable.keys() and a.frozen.keys() == b.frozen.keys()
-    for n in a.trainable:
-        eq(a.trainable[n], b.trainable[n])
-    for n in a.frozen:
-        eq(a.frozen[n], b.frozen[n])
-    assert a.optimizer_groups.keys() == b.optimizer_groups.keys()
-    for gname, ga in a.optimizer_groups.items():
-        gb = b.optimizer_groups[gname]
-        assert (ga.step, ga.initial_learning_rate) == (gb.step, gb.initial_learning_rate)
-        assert ga.states.keys() == gb.states.keys()
-        for p in ga.states:
-            assert ga.states[p].keys() == gb.states[p].keys()
-            for m in ga.states[p]:
-                eq(ga.states[p][m], gb.states[p][m])
-    assert a.properties == b.properties
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +85,7 @@ def saved(tmp_path_factory) -> dict:
     save_checkpoint(ck, inline, external_data="never")
     save_checkpoint(ck, external, external_data="params")
     expected = read_everything(inline)
-    assert_same(expected, read_everything(external))
+    assert_same_checkpoint(expected, read_everything(external))
     assert expected.properties["run_name"] == "flip \u00e9t\u00e9"
     return {"ck": expected, "inline": inline.read_bytes(), "external": external.read_bytes(),
             "external_data": Path(str(external) + ".data").read_bytes()}
@@ -219,7 +201,7 @@ def test_truncated_at_every_length(tmp_path, saved, variant):
         Path(str(path) + ".data").write_bytes(saved["external_data"])
     data = saved[variant]
     put(path, data)
-    assert_same(read_everything(path), saved["ck"])
+    assert_same_checkpoint(read_everything(path), saved["ck"])
     loaded_short: list[int] = []
     with time_bound(60):
         for n in range(len(data)):
@@ -233,7 +215,7 @@ def test_truncated_at_every_length(tmp_path, saved, variant):
                 # valid FlatBuffer, as flatbuffers' own Verifier agrees, and it must load to the same content.
                 assert data[n:] == bytes(len(data) - n) and len(data) - n < 4 and data[n - 1] == 0, \
                     f"truncated to {n} of {len(data)} bytes still loaded"
-                assert_same(read_everything(path), saved["ck"])
+                assert_same_checkpoint(read_everything(path), saved["ck"])
                 loaded_short.append(n)
     assert len(loaded_short) < 4
 
@@ -386,6 +368,14 @@ def test_zero_element_tensor_with_large_but_valid_shape(tmp_path, saved, dims):
     assert tuple(ck.frozen["empty"].shape) == dims
 
 
+def test_more_dimensions_than_numpy_allows(tmp_path):
+    path = tmp_path / "deep.ckpt"
+    save_checkpoint(Checkpoint(trainable={"deep": torch.zeros((1,) * 65)}), path)  # ORT's format has no dim limit
+    expect_corrupt(path, "'deep'", "65 dimensions")
+    save_checkpoint(Checkpoint(trainable={"deep": torch.zeros((1,) * 64)}), path)
+    assert read_everything(path).trainable["deep"].ndim == 64
+
+
 @pytest.mark.parametrize("code", [0, 21, 99, -1, 2**31 - 1])
 def test_unknown_data_type(tmp_path, saved, code):
     b = saved["inline"]
@@ -500,4 +490,4 @@ def test_reference_checkpoint_still_reads(tmp_path, saved):
     """Sanity: the undamaged bytes, written through the same helpers, load to the original content."""
     path = tmp_path / "good.ckpt"
     put(path, saved["inline"])
-    assert_same(read_everything(path), saved["ck"])
+    assert_same_checkpoint(read_everything(path), saved["ck"])

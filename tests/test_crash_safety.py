@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ort_reference import assert_same_checkpoint
+
 from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
 from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import atomic
@@ -55,26 +57,6 @@ def data_file(path: Path) -> Path:
     return Path(atomic.data_path(str(path)))
 
 
-def assert_same(a: Checkpoint, b: Checkpoint) -> None:
-    def eq(x, y, what):
-        assert x.dtype == y.dtype and x.shape == y.shape, what
-        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), what
-
-    assert a.trainable.keys() == b.trainable.keys() and a.frozen.keys() == b.frozen.keys()
-    for n in a.trainable:
-        eq(a.trainable[n], b.trainable[n], n)
-    for n in a.frozen:
-        eq(a.frozen[n], b.frozen[n], n)
-    assert a.optimizer_groups.keys() == b.optimizer_groups.keys()
-    for gname, ga in a.optimizer_groups.items():
-        gb = b.optimizer_groups[gname]
-        assert (ga.step, ga.initial_learning_rate) == (gb.step, gb.initial_learning_rate)
-        assert ga.states.keys() == gb.states.keys()
-        for p in ga.states:
-            assert ga.states[p].keys() == gb.states[p].keys()
-            for m in ga.states[p]:
-                eq(ga.states[p][m], gb.states[p][m], f"{p}/{m}")
-    assert a.properties == b.properties
 
 
 def expected(seed: int) -> Checkpoint:
@@ -136,7 +118,7 @@ def assert_is_a(path: Path, mode: str) -> None:
     assert path.read_bytes() == ref.read_bytes(), "the checkpoint file changed"
     if mode == "params":
         assert data_file(path).read_bytes() == Path(str(ref) + ".data").read_bytes(), "the .data file changed"
-    assert_same(load_checkpoint(path), expected(1))
+    assert_same_checkpoint(load_checkpoint(path), expected(1))
     with open_checkpoint(path) as r:
         assert r.has_external_data == (mode == "params")
         for info in r.tensors():
@@ -192,7 +174,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, mode):
     save_checkpoint(small_checkpoint(3), path, external_data=mode)
     atomic.wait_for_cleanup()
     assert leftovers(tmp_path) == []
-    assert_same(load_checkpoint(path), expected(3))
+    assert_same_checkpoint(load_checkpoint(path), expected(3))
     assert data_file(path).exists() == (mode == "params")
 
 
@@ -249,13 +231,13 @@ def test_sigkill_inside_external_data_commit(tmp_path, stage):
         assert not journal.exists()
         want_ckpt, want_data, want = b_ckpt, b_data, expected(2)
     assert path.read_bytes() == want_ckpt and data_file(path).read_bytes() == want_data
-    assert_same(load_checkpoint(path), want)
+    assert_same_checkpoint(load_checkpoint(path), want)
 
     # The next save completes normally and sweeps everything the dead process left behind.
     save_checkpoint(small_checkpoint(3), path, external_data="params")
     atomic.wait_for_cleanup()
     assert leftovers(tmp_path) == [], os.listdir(tmp_path)
-    assert_same(load_checkpoint(path), expected(3))
+    assert_same_checkpoint(load_checkpoint(path), expected(3))
 
 
 def test_interrupted_commit_is_completed_by_the_next_save(tmp_path):
@@ -268,7 +250,7 @@ def test_interrupted_commit_is_completed_by_the_next_save(tmp_path):
     atomic.wait_for_cleanup()
     assert leftovers(tmp_path) == [], os.listdir(tmp_path)
     assert not data_file(path).exists()
-    assert_same(load_checkpoint(path), expected(3))
+    assert_same_checkpoint(load_checkpoint(path), expected(3))
 
 
 # -- a save that fails --------------------------------------------------------------------------------------------
@@ -289,7 +271,7 @@ def test_tensor_that_fails_midway_keeps_previous_checkpoint(tmp_path, mode):
     assert isinstance(info.value.__cause__, NotImplementedError)
     atomic.wait_for_cleanup()
     assert files_of(tmp_path) == before  # A untouched, no temporary file left
-    assert_same(load_checkpoint(path), expected(1))
+    assert_same_checkpoint(load_checkpoint(path), expected(1))
 
 
 _HIT_FILE_SIZE_LIMIT = """
@@ -351,10 +333,10 @@ def test_too_little_free_space_writes_nothing(tmp_path, monkeypatch, mode):
     for n, st in stat_before.items():
         now = os.stat(tmp_path / n)
         assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns), n
-    assert_same(load_checkpoint(path), expected(1))
+    assert_same_checkpoint(load_checkpoint(path), expected(1))
 
     monkeypatch.undo()  # with the real free space the same save succeeds
     save_checkpoint(small_checkpoint(2), path, external_data=mode)
     atomic.wait_for_cleanup()
-    assert_same(load_checkpoint(path), expected(2))
+    assert_same_checkpoint(load_checkpoint(path), expected(2))
     assert leftovers(tmp_path) == []

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from . import atomic
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
 from .dtypes import DataType
@@ -73,6 +73,8 @@ class CheckpointReader:
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not hang
         except (FileNotFoundError, NotADirectoryError):
             raise CorruptCheckpointError("no such checkpoint file", self.path) from None
+        except OSError as e:
+            raise CheckpointError(f"cannot open the checkpoint: {e.strerror or e}", self.path) from None
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
@@ -248,6 +250,8 @@ class CheckpointReader:
             raise self._fail(f"{where} has unknown data type {code}") from None
         numel = math.prod(dims)
         nbytes = numel * dtype.itemsize
+        if len(dims) > _MAX_NDIM:
+            raise self._fail(f"{where} has {len(dims)} dimensions; numpy and torch allow at most {_MAX_NDIM}")
         if math.prod(max(d, 1) for d in dims) * max(dtype.itemsize, 1) > _MAX_ARRAY_BYTES:  # even with a 0 dim
             raise self._fail(f"{where} has shape {list(dims)}, too large for numpy or torch to represent")
         raw_pos = p.offset(t, TensorSlot.RAW_DATA)
@@ -369,6 +373,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         return reader.load()
 
 
+_MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
 
 
