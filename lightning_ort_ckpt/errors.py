@@ -23,3 +23,7 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class CheckpointSaveError(CheckpointError):
     """A save could not complete. Whatever was at the target path before is left as it was."""
+
+
+class CheckpointWarning(UserWarning):
+    """Something was saved or restored in a reduced form; the message names the key or parameter concerned."""

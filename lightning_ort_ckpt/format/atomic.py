@@ -223,3 +223,12 @@ class _Unlinker:
 
 
 _UNLINKER = _Unlinker()
+
+
+def remove(path: str) -> None:
+    """Delete a checkpoint together with its ``.data`` file and any commit journal; the blocks are freed later."""
+    for victim in (path + JOURNAL_SUFFIX, data_path(path), path):
+        if os.path.lexists(victim):
+            trash = _trash_name(victim)
+            os.replace(victim, trash)
+            _UNLINKER.put(trash)

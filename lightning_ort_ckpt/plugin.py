@@ -1,0 +1,201 @@
+"""``OrtCheckpointIO``: every Lightning save writes an ORT checkpoint; loads read ORT and torch files alike.
+
+``Trainer(plugins=[OrtCheckpointIO()])`` routes ``ModelCheckpoint`` and ``trainer.save_checkpoint`` through the
+format layer (atomic, streaming). ``load_checkpoint`` decides by content: ORT files are translated back, anything
+else goes to Lightning's ``TorchCheckpointIO``, so a run can switch formats midway.
+
+A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
+optimizer state keyed by parameter name. The plugin asks the Lightning strategy that owns it for the module and its
+optimizers (:func:`_owner_strategy`). Where there is none (the plugin called directly, outside a ``Trainer``), it
+saves every ``state_dict`` entry as frozen and optimizer state under index names ``param<i>``, with a warning: the
+file still resumes exactly in Lightning, but ORT cannot train from it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.strategies import Strategy
+
+from . import rng
+from .errors import CheckpointWarning
+from .format import GROUP_ZERO, Checkpoint, atomic, load_checkpoint, save_checkpoint
+from .format.schema import FILE_IDENTIFIER
+from .format.writer import ExternalData
+from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort
+from .translation.optimizers import torch_state_from_ort
+
+RNG_KEY = "lightning_ort_ckpt.rng_states"
+"""Where the RNG states travel inside the checkpoint dict (restored and removed again on load)."""
+
+
+class OrtCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that writes ONNX Runtime training checkpoints.
+
+    Args:
+        external_data: where tensor bytes go, as in :func:`lightning_ort_ckpt.save_checkpoint`: ``"auto"`` (one file
+            unless it would pass 2 GiB), ``"never"``, ``"params"`` or ``"all"``.
+        ort_compatible: store float16/bfloat16/float8 tensors as float32, which ORT 1.19.2 can load (it cannot load
+            the narrow types). Lossless for Lightning: the original dtypes are recorded and restored.
+    """
+
+    def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False) -> None:
+        self.external_data = external_data
+        self.ort_compatible = ort_compatible
+        self._owner: weakref.ref[Strategy] | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"OrtCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
+        strategy = self._owner_strategy()
+        info = None
+        if strategy is not None and strategy.lightning_module is not None:
+            info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
+        else:
+            warnings.warn(f"{os.fspath(path)}: OrtCheckpointIO is not attached to a Trainer, so it cannot tell "
+                          "trainable parameters from buffers; all are saved as frozen and optimizer state by "
+                          "index. Lightning resumes it exactly; ORT can load it but not train from it.",
+                          CheckpointWarning, stacklevel=2)
+        ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=self.ort_compatible)
+        save_checkpoint(ck, path, external_data=self.external_data)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if not is_ort_checkpoint(path):
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = read_lightning_checkpoint(path, self._live_training)
+        states = checkpoint.pop(RNG_KEY, None)
+        if states is not None:
+            rng.restore(states)
+        return _map_location(checkpoint, map_location)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        atomic.remove(os.fspath(path))
+
+    def _live_training(self) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
+        strategy = self._owner_strategy()
+        if strategy is None or strategy.lightning_module is None:
+            raise RuntimeError("the optimizer state of an ORT checkpoint without Lightning metadata can be restored "
+                               "only inside Trainer.fit")
+        return strategy.lightning_module, list(strategy.optimizers)
+
+    def _owner_strategy(self) -> Strategy | None:
+        """The strategy whose ``checkpoint_io`` is this plugin (or wraps it), found once and remembered weakly.
+
+        Lightning gives a ``CheckpointIO`` no reference to its trainer; the strategy that owns the plugin is the
+        one object that knows the module and the optimizers whose checkpoints this plugin writes.
+        """
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and _io_of(owner) is self:
+            return owner
+        found = [s for s in _referrers_of_type(self, Strategy) if _io_of(s) is self]
+        for wrapper in _referrers_of_type(self, CheckpointIO):
+            if getattr(wrapper, "checkpoint_io", None) is self:
+                found += [s for s in _referrers_of_type(wrapper, Strategy) if _io_of(s) is wrapper]
+        if len(found) != 1:
+            return None
+        self._owner = weakref.ref(found[0])
+        return found[0]
+
+
+def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds an ORT checkpoint (by its file identifier, not its name)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return False
+    return head[4:8] == FILE_IDENTIFIER
+
+
+def read_lightning_checkpoint(path: str | os.PathLike[str], live: LiveTraining | None = None) -> dict[str, Any]:
+    """The Lightning checkpoint dict of an ORT file, whether Lightning or ORT alone wrote it.
+
+    For a file ORT alone wrote, ``live`` (returning the module and its optimizers once they exist) lets
+    ``optimizer_states`` be built from ORT's moments; without it the dict has no optimizer state.
+    """
+    path = os.fspath(path)
+    ck = load_checkpoint(path)
+    if MANIFEST in ck.properties:
+        return from_ort(ck, path)
+    checkpoint = plain_ort_to_lightning(ck, pl.__version__)
+    warnings.warn(f"{path} was written by ONNX Runtime, not Lightning: weights and optimizer moments come from it, "
+                  f"global_step is its optimizer step ({checkpoint['global_step']}), epoch and loop progress start "
+                  "at 0, and learning-rate schedulers and callbacks start fresh", CheckpointWarning, stacklevel=3)
+    if live is not None:
+        checkpoint["optimizer_states"] = _OptimizerStatesFromOrt(ck, live)
+    return checkpoint
+
+
+LiveTraining = Callable[[], "tuple[torch.nn.Module, list[torch.optim.Optimizer]]"]
+
+
+class _OptimizerStatesFromOrt(Sequence):
+    """``optimizer_states`` for a file ORT wrote, built when Lightning restores the optimizers: ORT stores no
+    hyperparameters, so they are the live optimizers' own, and those exist only after the file was read."""
+
+    def __init__(self, ck: Checkpoint, live: LiveTraining) -> None:
+        self._ck = ck
+        self._live = live
+        self._built: list[dict[str, Any]] | None = None
+
+    def _states(self) -> list[dict[str, Any]]:
+        if self._built is None:
+            module, optimizers = self._live()
+            names = {id(p): n for n, p in module.named_parameters()}
+            group = self._ck.optimizer_groups.get(GROUP_ZERO)
+            self._built = [opt.state_dict() for opt in optimizers]
+            if optimizers and group is not None and group.states:
+                first = optimizers[0]
+                if isinstance(first, (torch.optim.Adam, torch.optim.AdamW)):
+                    order = [names.get(id(p), "") for g in first.param_groups for p in g["params"]]
+                    self._built[0] = torch_state_from_ort(group, order, self._built[0])
+                else:
+                    warnings.warn(f"ORT's optimizer state is AdamW's; {type(first).__name__} starts fresh",
+                                  CheckpointWarning, stacklevel=2)
+        return self._built
+
+    def __len__(self) -> int:
+        return len(self._states())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._states()[index]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self._states())
+
+
+def _io_of(strategy: Strategy) -> Any:
+    return strategy.__dict__.get("_checkpoint_io")
+
+
+def _referrers_of_type(obj: Any, kind: type) -> list[Any]:
+    """Objects of ``kind`` that hold ``obj`` in an attribute (directly, or through an instance dict that Python
+    has materialized)."""
+    found = []
+    for holder in gc.get_referrers(obj):
+        if isinstance(holder, kind):
+            found.append(holder)
+        elif isinstance(holder, dict):
+            found += [o for o in gc.get_referrers(holder) if isinstance(o, kind) and getattr(o, "__dict__", None) is holder]
+    return found
+
+
+def _map_location(checkpoint: dict[str, Any], map_location: Any) -> dict[str, Any]:
+    """Apply ``torch.load``-style ``map_location`` (a device, string or callable) to the loaded tensors."""
+    if map_location is None:
+        return checkpoint
+    if callable(map_location) and not isinstance(map_location, torch.device):
+        return apply_to_collection(checkpoint, torch.Tensor, lambda t: map_location(t, "cpu"))
+    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))

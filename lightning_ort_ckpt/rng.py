@@ -1,0 +1,41 @@
+"""The random number generator states that decide a training run, for exact resume without re-seeding."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CheckpointWarning
+
+
+def capture() -> dict[str, Any]:
+    """Python's, NumPy's and torch's global generators, and every CUDA device's when CUDA is in use."""
+    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                              "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch.cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore(states: dict[str, Any]) -> None:
+    """Set the generators captured by :func:`capture`."""
+    random.setstate(_python_state(states["python"]))
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    cuda = states.get("torch.cuda")
+    if cuda:
+        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda):
+            warnings.warn(f"the checkpoint holds random states of {len(cuda)} CUDA devices, which this machine does "
+                          "not have; CUDA random numbers will differ from the original run", CheckpointWarning)
+        else:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _python_state(state: Any) -> tuple[Any, ...]:
+    """random.setstate wants (version, tuple of ints, gauss); a round trip through lists is tolerated."""
+    version, internal, gauss = state
+    return version, tuple(internal), gauss

@@ -1,0 +1,198 @@
+"""Lightning checkpoint dict <-> ORT checkpoint, losslessly.
+
+What goes where (``docs/mapping.md`` has the full table):
+
+- ``state_dict``: trainable parameters -> ORT ``requires_grad_params``, everything else (frozen parameters, buffers)
+  -> ``frozen_params``; names are the ``state_dict`` keys, as ``torch.onnx.export`` names initializers.
+- ``optimizer_states``: per-parameter tensors -> ORT optimizer groups (see ``optimizers``); everything else of the
+  optimizer's ``state_dict`` (hyperparameters, non-tensor state) -> the manifest.
+- every other key (``epoch``, ``global_step``, ``loops``, ``callbacks``, ``lr_schedulers``, hparams, user keys...)
+  -> the manifest, with tensors nested anywhere stored as frozen tensors named ``lightning:<key path>``.
+
+The manifest is one JSON document in the string property ``lightning.checkpoint`` (encoding in ``values``). With
+``ort_compatible=True``, float16, bfloat16 and float8 tensors are stored as float32 (which holds them exactly) and
+the manifest records their dtypes, so they come back bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointWarning, CorruptCheckpointError
+from ..format import Checkpoint, OptimizerGroup
+from . import optimizers, values
+
+MANIFEST = "lightning.checkpoint"
+FORMAT = "lightning-ort-ckpt"
+VERSION = 1
+EXTRA_PREFIX = "lightning:"
+_NARROW_FLOATS = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
+                  torch.float8_e5m2fnuz}
+
+
+@dataclass
+class ModuleInfo:
+    """What ORT needs and the checkpoint dict does not say: which ``state_dict`` entries are trainable, and the
+    name of each optimizer's parameters in torch's index order (one list per optimizer)."""
+
+    trainable: set[str] = field(default_factory=set)
+    optimizer_params: list[list[str]] = field(default_factory=list)
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, optimizers_: list[torch.optim.Optimizer]) -> ModuleInfo:
+        names = {id(p): n for n, p in module.named_parameters()}
+        return cls(trainable={n for n, p in module.named_parameters() if p.requires_grad},
+                   optimizer_params=[[names.get(id(p), "") for g in opt.param_groups for p in g["params"]]
+                                     for opt in optimizers_])
+
+
+def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_compatible: bool = False) -> Checkpoint:
+    """The ORT checkpoint holding everything in Lightning's checkpoint dict."""
+    out = Checkpoint()
+    cast: dict[str, str] = {}
+
+    def store(t: torch.Tensor, where: str) -> torch.Tensor:
+        if ort_compatible and t.dtype in _NARROW_FLOATS:
+            cast[where] = str(t.dtype).removeprefix("torch.")
+            return t.to(torch.float32)
+        return t
+
+    state_dict = checkpoint.get("state_dict", {})
+    trainable = info.trainable if info is not None else set()
+    for key, tensor in state_dict.items():
+        if key.startswith(EXTRA_PREFIX):
+            raise ValueError(f"state_dict key {key!r} uses the prefix {EXTRA_PREFIX!r} reserved for other tensors")
+        (out.trainable if key in trainable else out.frozen)[key] = store(tensor, key)
+
+    def extra(path: tuple[str, ...], tensor: torch.Tensor) -> str:
+        name = EXTRA_PREFIX + "/".join(path)
+        while name in out.frozen:
+            name += "'"
+        out.frozen[name] = store(tensor, name)
+        return name
+
+    manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "keys": list(checkpoint),
+                                "state_dict": list(state_dict), "optimizers": [], "values": {}}
+    for index, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
+        manifest["optimizers"].append(_optimizer_to_ort(index, opt_state, info, out, store, extra))
+    for key, value in checkpoint.items():
+        if key not in ("state_dict", "optimizer_states"):
+            manifest["values"][key] = values.encode(value, extra, (key,))
+    manifest["cast"] = cast
+    out.properties[MANIFEST] = json.dumps(manifest, separators=(",", ":"), allow_nan=False)
+    return out
+
+
+def _optimizer_to_ort(index: int, opt_state: dict[str, Any], info: ModuleInfo | None, out: Checkpoint,
+                      store: Any, extra: values.TensorSink) -> dict[str, Any]:
+    known = info is not None and index < len(info.optimizer_params) and all(info.optimizer_params[index])
+    order = [i for g in opt_state.get("param_groups", []) for i in g.get("params", [])]
+    names = info.optimizer_params[index] if known else [f"param{i}" for i in order]
+    by_index = dict(zip(order, names)) if len(names) == len(order) else {}
+    group = optimizers.group_name(index, opt_state, known and bool(by_index))
+    ort = out.optimizer_groups[group] = OptimizerGroup(step=optimizers.common_step(opt_state),
+                                                       initial_learning_rate=optimizers.initial_learning_rate(opt_state))
+
+    def sink(path: tuple[str, ...], tensor: torch.Tensor) -> Any:
+        # path is ("state", <param index>, <state key>) for per-parameter state, which goes to the ORT group
+        if len(path) == 3 and path[0] == "state" and path[1].isdigit() and int(path[1]) in by_index:
+            param, momentum = by_index[int(path[1])], optimizers.momentum_name(path[2], group)
+            ort.states.setdefault(param, {})[momentum] = store(tensor, f"{group}/{param}/{momentum}")
+            return [group, param, momentum]
+        return extra((f"optimizer_states", str(index), *path), tensor)
+
+    encoded = values.encode(_state_with_str_keys(opt_state), sink)
+    return {"group": group, "params": names, "ort_step": ort.step, "state_dict": encoded}
+
+
+def _state_with_str_keys(opt_state: dict[str, Any]) -> dict[str, Any]:
+    """torch keys per-parameter state by int index; the encoder's path needs them as strings, restored on load."""
+    return {**opt_state, "state": {str(k): v for k, v in opt_state.get("state", {}).items()}}
+
+
+def from_ort(ck: Checkpoint, path: str) -> dict[str, Any]:
+    """Lightning's checkpoint dict from an ORT checkpoint written by :func:`to_ort`, possibly trained on by ORT since.
+
+    For a file that ORT alone wrote (no manifest) see :func:`plain_ort_to_lightning`.
+    """
+    try:
+        manifest = json.loads(ck.properties[MANIFEST])
+        if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
+            raise ValueError("not a lightning-ort-ckpt manifest")
+        if manifest["version"] > VERSION:
+            raise CorruptCheckpointError(f"written by a newer lightning-ort-ckpt (manifest version "
+                                         f"{manifest['version']}); upgrade to load it", path)
+        return _from_manifest(ck, manifest, path)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"its Lightning metadata ({MANIFEST}) is damaged: {e}", path) from None
+
+
+def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str) -> dict[str, Any]:
+    params = {**ck.trainable, **ck.frozen}
+    cast = manifest.get("cast", {})
+
+    def restore(t: torch.Tensor, where: str) -> torch.Tensor:
+        return t.to(getattr(torch, cast[where])) if where in cast else t
+
+    def source(ref: Any) -> torch.Tensor:
+        if isinstance(ref, str):
+            if ref not in params:
+                raise CorruptCheckpointError(f"tensor {ref!r} named in its Lightning metadata is missing", path)
+            return restore(params[ref], ref)
+        group, param, momentum = ref
+        try:
+            t = ck.optimizer_groups[group].states[param][momentum]
+        except KeyError:
+            raise CorruptCheckpointError(f"optimizer state {group}/{param}/{momentum} named in its Lightning "
+                                         "metadata is missing", path) from None
+        return restore(t, f"{group}/{param}/{momentum}")
+
+    missing = [k for k in manifest["state_dict"] if k not in params]
+    if missing:
+        raise CorruptCheckpointError(f"parameter {missing[0]!r} is missing ({len(missing)} in all)", path)
+    out: dict[str, Any] = {}
+    for key in manifest["keys"]:
+        if key == "state_dict":
+            out[key] = {k: restore(params[k], k) for k in manifest["state_dict"]}
+        elif key == "optimizer_states":
+            out[key] = [_optimizer_from_ort(entry, ck, source, path) for entry in manifest["optimizers"]]
+        else:
+            out[key] = values.decode(manifest["values"][key], source)
+    return out
+
+
+def _optimizer_from_ort(entry: dict[str, Any], ck: Checkpoint, source: values.TensorSource,
+                        path: str) -> dict[str, Any]:
+    state = values.decode(entry["state_dict"], source)
+    state["state"] = {int(k): v for k, v in state.get("state", {}).items()}
+    group = ck.optimizer_groups.get(entry["group"])
+    if group is not None and group.step != entry["ort_step"]:
+        # ORT trained from this file and saved again: momentums and weights are ORT's, its step is newer than
+        # torch's per-parameter step tensors, which ORT does not update.
+        warnings.warn(f"{path}: ONNX Runtime trained {group.step - entry['ort_step']} more optimizer steps after "
+                      f"Lightning saved this checkpoint; weights, optimizer moments and step come from ORT, while "
+                      f"epoch, global_step and loop progress stay as Lightning last saved them",
+                      CheckpointWarning, stacklevel=4)
+        for s in state["state"].values():
+            step = s.get("step")
+            s["step"] = (torch.full_like(step, group.step) if isinstance(step, torch.Tensor)
+                         else type(step)(group.step) if step is not None else step)
+    return state
+
+
+def plain_ort_to_lightning(ck: Checkpoint, lightning_version: str) -> dict[str, Any]:
+    """A Lightning checkpoint dict for a file written by ORT alone (no Lightning metadata).
+
+    Weights come from the file; ``global_step`` is ORT's optimizer step; epoch and loop progress start at zero.
+    ``optimizer_states`` is left out: building it needs the live optimizers (see ``OrtCheckpointIO``).
+    """
+    group = ck.optimizer_groups.get("group0")
+    return {"epoch": 0, "global_step": group.step if group else 0, "pytorch-lightning_version": lightning_version,
+            "state_dict": {**ck.trainable, **ck.frozen}}
