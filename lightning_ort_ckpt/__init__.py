@@ -9,7 +9,17 @@ from .format import (Checkpoint, CheckpointReader, DataType, OptimizerGroup, Ten
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """The Lightning classes load on first use, so the format layer and the CLI never import torch or Lightning."""
+    if name == "OrtCheckpointIO":
+        from .plugin import OrtCheckpointIO
+
+        return OrtCheckpointIO
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "Checkpoint", "CheckpointError", "CheckpointReader", "CheckpointSaveError", "CorruptCheckpointError",
-    "DataType", "OptimizerGroup", "TensorInfo", "load_checkpoint", "open_checkpoint", "save_checkpoint",
+    "DataType", "OptimizerGroup", "OrtCheckpointIO", "TensorInfo", "load_checkpoint", "open_checkpoint", "save_checkpoint",
 ]

@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import CheckpointError
 from .format.reader import CheckpointReader, TensorInfo
+from .translation import FORMAT, MANIFEST
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,8 +72,23 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
                    "frozen_elements": sum(_numel(i) for i in reader.frozen.values()),
                    "tensors": len(every), "data_bytes": sum(i.nbytes for i in every),
                    "file_bytes": sum(files.values())},
+        "lightning": _lightning_summary(reader.properties.get(MANIFEST)),
         "ort_warnings": _ort_warnings(reader),
     }
+
+
+def _lightning_summary(manifest: Any) -> dict[str, Any] | None:
+    """Epoch, step and version of a Lightning run saved by this project (None for other files)."""
+    try:
+        doc = json.loads(manifest)
+        if doc.get("format") != FORMAT:
+            return None
+        found = doc["values"]
+        return {"epoch": found.get("epoch"), "global_step": found.get("global_step"),
+                "lightning_version": found.get("pytorch-lightning_version"),
+                "keys": [k for k in doc["keys"] if k != "state_dict"]}
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
 
 
 def _tensor(info: TensorInfo) -> dict[str, Any]:
@@ -112,6 +128,13 @@ def _size(n: int) -> str:
     return ""  # unreachable
 
 
+def _value(prop: dict[str, Any]) -> str:
+    if prop["type"] == "float":
+        return _f32(prop["value"])
+    text = repr(prop["value"])
+    return text if len(text) <= 100 else f"{text[:80]}... ({len(prop['value']):,} characters; --json shows all)"
+
+
 def _f32(value: float) -> str:
     """The shortest text that reads back as the same float32 (the format's float type)."""
     return str(np.float32(value))
@@ -131,10 +154,13 @@ def _render(r: dict[str, Any]) -> str:
         lines += ["", f"optimizer group {g['name']}: step {g['step']}, initial learning rate "
                       f"{_f32(g['initial_learning_rate'])}, {g['parameters']} parameters, momentums "
                       f"{', '.join(g['momentum_names']) or '-'} ({_size(g['bytes'])})"]
+    if r["lightning"]:
+        lt = r["lightning"]
+        lines += ["", f"Lightning checkpoint: epoch {lt['epoch']}, global step {lt['global_step']}, saved by "
+                      f"Lightning {lt['lightning_version']}; also holds {', '.join(lt['keys'])}"]
     if r["properties"]:
         lines += ["", "properties:"]
-        lines += [f"  {p['name']} ({p['type']}) = {_f32(p['value']) if p['type'] == 'float' else repr(p['value'])}"
-                  for p in r["properties"]]
+        lines += [f"  {p['name']} ({p['type']}) = {_value(p)}" for p in r["properties"]]
     t = r["totals"]
     lines += ["", f"totals: {t['trainable']} trainable ({t['trainable_elements']:,} elements), {t['frozen']} frozen "
                   f"({t['frozen_elements']:,} elements), {t['tensors']} tensors, {_size(t['data_bytes'])} of data, "

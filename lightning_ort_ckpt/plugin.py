@@ -176,6 +176,37 @@ class _OptimizerStatesFromOrt(Sequence):
         return iter(self._states())
 
 
+def _load_from_checkpoint_support() -> None:
+    """Let ``LightningModule.load_from_checkpoint`` read ORT files.
+
+    Lightning loads there with ``pytorch_lightning.core.saving.pl_load`` (``torch.load``), not with a CheckpointIO;
+    this wraps it so that ORT files (recognized by content) are translated, everything else loads as before.
+    Random states are not restored there: loading weights must not reseed a process.
+    """
+    from pytorch_lightning.core import saving
+
+    original = saving.pl_load
+    if getattr(original, "reads_ort_checkpoints", False):
+        return
+
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and is_ort_checkpoint(path_or_url):
+            checkpoint = read_lightning_checkpoint(path_or_url)
+            checkpoint.pop(RNG_KEY, None)
+            return _map_location(checkpoint, map_location)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load.reads_ort_checkpoints = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load
+
+
+_load_from_checkpoint_support()
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def _io_of(strategy: Strategy) -> Any:
     return strategy.__dict__.get("_checkpoint_io")
 
@@ -197,5 +228,6 @@ def _map_location(checkpoint: dict[str, Any], map_location: Any) -> dict[str, An
     if map_location is None:
         return checkpoint
     if callable(map_location) and not isinstance(map_location, torch.device):
-        return apply_to_collection(checkpoint, torch.Tensor, lambda t: map_location(t, "cpu"))
+        # torch's convention: the callable gets the CPU data and its location, and None means "leave it there"
+        return apply_to_collection(checkpoint, torch.Tensor, lambda t: _or(map_location(t, "cpu"), t))
     return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))

@@ -14,7 +14,9 @@ from .errors import CheckpointWarning
 
 def capture() -> dict[str, Any]:
     """Python's, NumPy's and torch's global generators, and every CUDA device's when CUDA is in use."""
-    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+    version, internal, gauss = random.getstate()
+    states: dict[str, Any] = {"python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
+                              "numpy": np.random.get_state(),
                               "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["torch.cuda"] = torch.cuda.get_rng_state_all()
@@ -36,6 +38,6 @@ def restore(states: dict[str, Any]) -> None:
 
 
 def _python_state(state: Any) -> tuple[Any, ...]:
-    """random.setstate wants (version, tuple of ints, gauss); a round trip through lists is tolerated."""
+    """random.setstate wants (version, tuple of 625 ints, gauss); capture stores the ints as one tensor."""
     version, internal, gauss = state
-    return version, tuple(internal), gauss
+    return version, tuple(int(v) for v in (internal.tolist() if isinstance(internal, torch.Tensor) else internal)), gauss

@@ -25,10 +25,8 @@ import torch
 
 from ..errors import CheckpointWarning, CorruptCheckpointError
 from ..format import Checkpoint, OptimizerGroup
-from . import optimizers, values
+from . import FORMAT, MANIFEST, optimizers, values
 
-MANIFEST = "lightning.checkpoint"
-FORMAT = "lightning-ort-ckpt"
 VERSION = 1
 EXTRA_PREFIX = "lightning:"
 _NARROW_FLOATS = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
