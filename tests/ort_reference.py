@@ -184,3 +184,62 @@ def ort_properties(state: Any) -> dict[str, Any]:
 def ort_parameters(state: Any) -> dict[str, tuple[np.ndarray, bool]]:
     """name -> (data copy, requires_grad) of an ORT ``CheckpointState``."""
     return {name: (p.data.copy(), p.requires_grad) for name, p in state.parameters}
+
+
+# -- artifacts for any torch module, and ORT training ----------------------------------------------------------------
+
+
+def export_artifacts(model: torch.nn.Module, directory: str, example_input: torch.Tensor,
+                     optimizer: str = "AdamW") -> Artifacts:
+    """Training artifacts for any ``model`` (a LightningModule too) with a cross-entropy loss on its output.
+
+    Exported like :func:`make_artifacts` (dynamo=False, training=EVAL, no constant folding, parameters exported), so
+    the initializer names are the ``state_dict`` keys: the ``requires_grad`` parameters are trainable, the buffers
+    that became initializers are frozen. ``generate_artifacts`` also writes its own ``checkpoint``. The module's
+    train/eval mode is left as it was.
+    """
+    import onnx
+    from onnx import numpy_helper
+
+    ort_api()
+    from onnxruntime.training import artifacts
+
+    os.makedirs(directory, exist_ok=True)
+    onnx_path = os.path.join(directory, "base.onnx")
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notices
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example_input,), onnx_path, input_names=["input"], output_names=["output"],
+                          dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, do_constant_folding=False,
+                          export_params=True, dynamo=False, training=torch.onnx.TrainingMode.EVAL, opset_version=17)
+    proto = onnx.load(onnx_path)
+    order = [i.name for i in proto.graph.initializer]
+    requires_grad = [n for n, p in model.named_parameters() if p.requires_grad]
+    frozen = [n for n, _ in model.named_buffers() if n in order]
+    frozen += [n for n, p in model.named_parameters() if not p.requires_grad and n in order]
+    assert set(requires_grad) <= set(order), (requires_grad, order)
+    artifacts.generate_artifacts(proto, requires_grad=requires_grad, frozen_params=frozen,
+                                 loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=getattr(artifacts.OptimType, optimizer), artifact_directory=directory)
+    clamp_ir_version(directory)
+    return Artifacts(directory, model, requires_grad, frozen, order,  # type: ignore[arg-type]
+                     {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer})
+
+
+def ort_train(art: Artifacts, state: Any, batches: list[tuple[np.ndarray, np.ndarray]],
+              lr: float | None = None) -> list[float]:
+    """Train with ORT's ``Module`` + ``Optimizer`` from ``state``, one optimizer step per batch; the losses.
+
+    ``lr`` goes to ``Optimizer.set_learning_rate`` (ORT does not take it from the checkpoint).
+    """
+    api = ort_api()
+    module = api.Module(art.training_model, state, art.eval_model)
+    opt = api.Optimizer(art.optimizer_model, module)
+    if lr is not None:
+        opt.set_learning_rate(lr)
+    module.train()
+    losses = []
+    for x, y in batches:
+        losses.append(float(module(x, y)))
+        opt.step()
+        module.lazy_reset_grad()
+    return losses
