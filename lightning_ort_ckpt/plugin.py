@@ -13,11 +13,12 @@ file still resumes exactly in Lightning, but ORT cannot train from it.
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -74,7 +75,7 @@ class OrtCheckpointIO(CheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         if not is_ort_checkpoint(path):
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        checkpoint = read_lightning_checkpoint(path, self._live_training)
+        checkpoint = read_lightning_checkpoint(path, self._owner_strategy())
         states = checkpoint.pop(RNG_KEY, None)
         if states is not None:
             rng.restore(states)
@@ -82,13 +83,6 @@ class OrtCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         atomic.remove(os.fspath(path))
-
-    def _live_training(self) -> tuple[torch.nn.Module, list[torch.optim.Optimizer]]:
-        strategy = self._owner_strategy()
-        if strategy is None or strategy.lightning_module is None:
-            raise RuntimeError("the optimizer state of an ORT checkpoint without Lightning metadata can be restored "
-                               "only inside Trainer.fit")
-        return strategy.lightning_module, list(strategy.optimizers)
 
     def _owner_strategy(self) -> Strategy | None:
         """The strategy whose ``checkpoint_io`` is this plugin (or wraps it), found once and remembered weakly.
@@ -119,40 +113,51 @@ def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
     return head[4:8] == FILE_IDENTIFIER
 
 
-def read_lightning_checkpoint(path: str | os.PathLike[str], live: LiveTraining | None = None) -> dict[str, Any]:
+def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Strategy | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file, whether Lightning or ORT alone wrote it.
 
-    For a file ORT alone wrote, ``live`` (returning the module and its optimizers once they exist) lets
-    ``optimizer_states`` be built from ORT's moments; without it the dict has no optimizer state.
+    A file ORT alone wrote carries no loop progress and no optimizer hyperparameters: with the ``strategy`` of the
+    run that resumes it, loop progress is set to ORT's optimizer step and ``optimizer_states`` is built from ORT's
+    moments and the live optimizers; without one the dict holds the weights only.
     """
     path = os.fspath(path)
     ck = load_checkpoint(path)
     if MANIFEST in ck.properties:
         return from_ort(ck, path)
     checkpoint = plain_ort_to_lightning(ck, pl.__version__)
+    step = checkpoint["global_step"]
     warnings.warn(f"{path} was written by ONNX Runtime, not Lightning: weights and optimizer moments come from it, "
-                  f"global_step is its optimizer step ({checkpoint['global_step']}), epoch and loop progress start "
-                  "at 0, and learning-rate schedulers and callbacks start fresh", CheckpointWarning, stacklevel=3)
-    if live is not None:
-        checkpoint["optimizer_states"] = _OptimizerStatesFromOrt(ck, live)
+                  f"global_step is its optimizer step ({step}), the epoch starts at 0, and learning-rate schedulers "
+                  "and callbacks start fresh", CheckpointWarning, stacklevel=3)
+    if strategy is not None and strategy.lightning_module is not None:
+        checkpoint["loops"] = {"fit_loop": _fit_loop_at_step(strategy.lightning_module.trainer.fit_loop, step)}
+        checkpoint["optimizer_states"] = _OptimizerStatesFromOrt(ck, strategy)
     return checkpoint
 
 
-LiveTraining = Callable[[], "tuple[torch.nn.Module, list[torch.optim.Optimizer]]"]
+def _fit_loop_at_step(fit_loop: Any, step: int) -> dict[str, Any]:
+    """A fresh fit loop's state with ``step`` optimizer steps done: Lightning derives ``global_step`` from these
+    counters, not from the checkpoint's ``global_step`` key."""
+    state = copy.deepcopy(fit_loop.state_dict())
+    state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"].update(
+        ready=step, completed=step)
+    state["epoch_loop.manual_optimization.optim_step_progress"]["total"].update(ready=step, completed=step)
+    state["epoch_loop.state_dict"]["_batches_that_stepped"] = step
+    return state
 
 
 class _OptimizerStatesFromOrt(Sequence):
     """``optimizer_states`` for a file ORT wrote, built when Lightning restores the optimizers: ORT stores no
     hyperparameters, so they are the live optimizers' own, and those exist only after the file was read."""
 
-    def __init__(self, ck: Checkpoint, live: LiveTraining) -> None:
+    def __init__(self, ck: Checkpoint, strategy: Strategy) -> None:
         self._ck = ck
-        self._live = live
+        self._strategy = strategy
         self._built: list[dict[str, Any]] | None = None
 
     def _states(self) -> list[dict[str, Any]]:
         if self._built is None:
-            module, optimizers = self._live()
+            module, optimizers = self._strategy.lightning_module, list(self._strategy.optimizers)
             names = {id(p): n for n, p in module.named_parameters()}
             group = self._ck.optimizer_groups.get(GROUP_ZERO)
             self._built = [opt.state_dict() for opt in optimizers]

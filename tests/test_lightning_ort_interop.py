@@ -10,7 +10,7 @@
    moments and step and Lightning's epoch/global_step, and says so.
 3. ORT -> Lightning for a file ORT alone wrote (generate_artifacts' checkpoint, trained by ORT): resumes with ORT's
    weights, moments and step, the live optimizer's hyperparameters, global_step = ORT's step; an SGD optimizer
-   starts fresh with a warning. Two library bugs keep the full contract from holding (strict xfails below).
+   starts fresh with a warning.
 4. ``ort-ckpt inspect`` shows the Lightning summary of a Lightning-saved file.
 """
 
@@ -342,23 +342,6 @@ def ort_only(tmp_path_factory) -> dict[str, Any]:
     return {"path": str(path), "params": ort_parameters(state), "step": step, "momentums": momentums}
 
 
-class LitNetSuppliesSchedulers(LitNet):
-    """A user-side workaround for the missing ``lr_schedulers`` key (see ``PLAIN_NO_SCHEDULERS``)."""
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint.setdefault("lr_schedulers", [])
-
-
-PLAIN_NO_SCHEDULERS = (
-    "library bug: plain_ort_to_lightning() (file ORT alone wrote) returns no 'lr_schedulers' key, so Lightning "
-    "2.6's restore_optimizers_and_schedulers raises KeyError('Trying to restore learning rate scheduler state but "
-    "checkpoint contains only the model...') and fit(ckpt_path=...) cannot resume such a file")
-PLAIN_NO_GLOBAL_STEP = (
-    "library bug: plain_ort_to_lightning() sets checkpoint['global_step'] = ORT's step but no 'loops'; Lightning "
-    "2.x takes trainer.global_step from the fit loop's progress (loops), never from the 'global_step' key, so the "
-    "resumed run starts at global_step 0 instead of ORT's step, contrary to docs/mapping.md")
-
-
 def fit_from_ort_only(ort_only: dict[str, Any], model: LitNet) -> tuple[SnapshotAtTrainStart, pl.Trainer, list[str]]:
     snapshot = SnapshotAtTrainStart()
     trainer = make_trainer(M_ORT_ONLY_STEPS + 2, [snapshot])
@@ -394,33 +377,17 @@ def check_resumed_from_ort_only(ort_only: dict[str, Any], snapshot: SnapshotAtTr
     assert snapshot.epoch == 0
 
 
-@pytest.mark.xfail(strict=True, reason=f"{PLAIN_NO_SCHEDULERS}; {PLAIN_NO_GLOBAL_STEP}")
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_lightning_resumes_from_a_file_ort_alone_wrote(ort_only, optimizer):
     """The whole contract: fit(ckpt_path=<ORT's file>) with a plain LightningModule."""
-    snapshot, trainer, messages = fit_from_ort_only(ort_only, new_model(321, optimizer))
-    check_resumed_from_ort_only(ort_only, snapshot, optimizer, messages)
-    assert snapshot.global_step == ort_only["step"]
-    assert trainer.global_step == M_ORT_ONLY_STEPS + 2
-
-
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_weights_and_moments_from_a_file_ort_alone_wrote(ort_only, optimizer):
-    """Everything but global_step, past the missing lr_schedulers key with the user-side workaround."""
-    torch.manual_seed(321)
-    model = LitNetSuppliesSchedulers(optimizer)
+    model = new_model(321, optimizer)
     snapshot, trainer, messages = fit_from_ort_only(ort_only, model)
     check_resumed_from_ort_only(ort_only, snapshot, optimizer, messages)
-    assert trainer.global_step > snapshot.global_step  # and it trained on
+    assert snapshot.global_step == ort_only["step"]
+    assert trainer.global_step == M_ORT_ONLY_STEPS + 2  # and it trained on
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason=PLAIN_NO_GLOBAL_STEP)
-def test_global_step_from_a_file_ort_alone_wrote(ort_only):
-    torch.manual_seed(321)
-    snapshot, trainer, _ = fit_from_ort_only(ort_only, LitNetSuppliesSchedulers())
-    assert snapshot.global_step == ort_only["step"]
-    assert trainer.global_step == M_ORT_ONLY_STEPS + 2
 
 
 # -- 4. the CLI ---------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointWarning, CorruptCheckpointError
-from ..format import Checkpoint, OptimizerGroup
+from ..format import GROUP_ZERO, Checkpoint, OptimizerGroup
 from . import FORMAT, MANIFEST, optimizers, values
 
 VERSION = 1
@@ -188,9 +188,9 @@ def _optimizer_from_ort(entry: dict[str, Any], ck: Checkpoint, source: values.Te
 def plain_ort_to_lightning(ck: Checkpoint, lightning_version: str) -> dict[str, Any]:
     """A Lightning checkpoint dict for a file written by ORT alone (no Lightning metadata).
 
-    Weights come from the file; ``global_step`` is ORT's optimizer step; epoch and loop progress start at zero.
-    ``optimizer_states`` is left out: building it needs the live optimizers (see ``OrtCheckpointIO``).
+    Weights come from the file; ``global_step`` is ORT's optimizer step; epoch starts at zero and schedulers start
+    fresh. ``loops`` and ``optimizer_states`` are left out: both need the live trainer (see ``OrtCheckpointIO``).
     """
-    group = ck.optimizer_groups.get("group0")
+    group = ck.optimizer_groups.get(GROUP_ZERO)
     return {"epoch": 0, "global_step": group.step if group else 0, "pytorch-lightning_version": lightning_version,
-            "state_dict": {**ck.trainable, **ck.frozen}}
+            "state_dict": {**ck.trainable, **ck.frozen}, "lr_schedulers": []}
