@@ -17,7 +17,6 @@ import copy
 import gc
 import os
 import warnings
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,9 +26,10 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.strategies import Strategy
+from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 
 from . import rng
-from .errors import CheckpointWarning
+from .errors import CheckpointWarning, CorruptCheckpointError
 from .format import GROUP_ZERO, Checkpoint, atomic, load_checkpoint, save_checkpoint
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
@@ -53,13 +53,12 @@ class OrtCheckpointIO(CheckpointIO):
     def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False) -> None:
         self.external_data = external_data
         self.ort_compatible = ort_compatible
-        self._owner: weakref.ref[Strategy] | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"OrtCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
-        strategy = self._owner_strategy()
+        strategy = self._owner_strategy(checkpoint.get("state_dict"))
         info = None
         if strategy is not None and strategy.lightning_module is not None:
             info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
@@ -75,32 +74,36 @@ class OrtCheckpointIO(CheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         if not is_ort_checkpoint(path):
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        checkpoint = read_lightning_checkpoint(path, self._owner_strategy())
+        strategy = self._owner_strategy()
+        checkpoint = read_lightning_checkpoint(path, strategy)
         states = checkpoint.pop(RNG_KEY, None)
-        if states is not None:
-            rng.restore(states)
+        if states is not None and _fitting(strategy):  # validate/test/predict must not reseed the process
+            try:
+                rng.restore(states)
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise CorruptCheckpointError(f"its saved random states are damaged ({e})", os.fspath(path)) from None
         return _map_location(checkpoint, map_location)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         atomic.remove(os.fspath(path))
 
-    def _owner_strategy(self) -> Strategy | None:
-        """The strategy whose ``checkpoint_io`` is this plugin (or wraps it), found once and remembered weakly.
+    def _owner_strategy(self, state_dict: dict[str, Any] | None = None) -> Strategy | None:
+        """The strategy whose ``checkpoint_io`` is this plugin (or wraps it).
 
-        Lightning gives a ``CheckpointIO`` no reference to its trainer; the strategy that owns the plugin is the
-        one object that knows the module and the optimizers whose checkpoints this plugin writes.
+        Lightning gives a ``CheckpointIO`` no reference to its trainer; the strategy that owns the plugin is the one
+        object that knows the module and optimizers whose checkpoints it writes. When one plugin instance serves
+        several trainers, the owner is the one whose module holds the tensors being saved (``state_dict``), else the
+        one whose trainer is running.
         """
-        owner = self._owner() if self._owner is not None else None
-        if owner is not None and _io_of(owner) is self:
-            return owner
         found = [s for s in _referrers_of_type(self, Strategy) if _io_of(s) is self]
         for wrapper in _referrers_of_type(self, CheckpointIO):
             if getattr(wrapper, "checkpoint_io", None) is self:
                 found += [s for s in _referrers_of_type(wrapper, Strategy) if _io_of(s) is wrapper]
-        if len(found) != 1:
-            return None
-        self._owner = weakref.ref(found[0])
-        return found[0]
+        if len(found) > 1 and state_dict:
+            found = [s for s in found if _holds(s, state_dict)]
+        if len(found) > 1:
+            found = [s for s in found if _trainer_running(s)]
+        return found[0] if len(found) == 1 else None
 
 
 def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -206,6 +209,27 @@ def _load_from_checkpoint_support() -> None:
 
 
 _load_from_checkpoint_support()
+
+
+def _holds(strategy: Strategy, state_dict: dict[str, Any]) -> bool:
+    """Whether the strategy's module owns the memory of the checkpoint's tensors (state_dict entries are views)."""
+    module = strategy.lightning_module
+    if module is None:
+        return False
+    live = module.state_dict(keep_vars=True)
+    return any(isinstance(t, torch.Tensor) and k in live and live[k].data_ptr() == t.data_ptr()
+               for k, t in state_dict.items())
+
+
+def _trainer_running(strategy: Strategy) -> bool:
+    module = strategy.lightning_module
+    return module is not None and module._trainer is not None and module._trainer.state.status == TrainerStatus.RUNNING
+
+
+def _fitting(strategy: Strategy | None) -> bool:
+    if strategy is None or strategy.lightning_module is None or strategy.lightning_module._trainer is None:
+        return False
+    return strategy.lightning_module._trainer.state.fn == TrainerFn.FITTING
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,8 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
         if key not in ("state_dict", "optimizer_states"):
             manifest["values"][key] = values.encode(value, extra, (key,))
     manifest["cast"] = cast
+    # torch keeps each module's state-dict version here; its loaders read it (BatchNorm, for one)
+    manifest["state_dict_metadata"] = values.encode(getattr(state_dict, "_metadata", None), extra)
     out.properties[MANIFEST] = json.dumps(manifest, separators=(",", ":"), allow_nan=False)
     return out
 
@@ -158,7 +161,10 @@ def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str) -> dict[
     out: dict[str, Any] = {}
     for key in manifest["keys"]:
         if key == "state_dict":
-            out[key] = {k: restore(params[k], k) for k in manifest["state_dict"]}
+            out[key] = OrderedDict((k, restore(params[k], k)) for k in manifest["state_dict"])
+            metadata = values.decode(manifest.get("state_dict_metadata"), source)
+            if metadata is not None:
+                out[key]._metadata = metadata  # type: ignore[attr-defined]
         elif key == "optimizer_states":
             out[key] = [_optimizer_from_ort(entry, ck, source, path) for entry in manifest["optimizers"]]
         else:

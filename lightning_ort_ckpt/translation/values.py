@@ -12,9 +12,11 @@ JSON values stand for themselves, with these exceptions, each a one-key object w
 ``{"__ndarray__": r}``  a numpy array stored as a tensor
 ``{"__float__": s}``    a float JSON cannot spell: ``"nan"``, ``"inf"``, ``"-inf"`` (finite floats are JSON
                         numbers with Python's shortest round-trip repr, so float64 values come back exactly)
-``{"__tuple__": [...]}``  a tuple; ``{"__set__": [...]}`` a set
-``{"__dict__": [[k, v], ...]}``  a dict whose keys are not all strings, or that uses a tag as a key
-``{"__numpy__": [dtype, v]}``  a numpy scalar
+``{"__tuple__": [...]}``  a tuple (a namedtuple comes back as a plain tuple); ``{"__set__": [...]}`` a set;
+                        ``{"__size__": [...]}`` a ``torch.Size``
+``{"__dict__": [[k, v], ...]}``  a dict whose keys are not all strings, or that uses a tag as a key;
+                        ``{"__odict__": [[k, v], ...]}`` an OrderedDict (other dict subclasses come back as dicts)
+``{"__numpy__": [dtype, v]}``  a numpy scalar (an IntEnum is saved as its int)
 ``{"__bytes__": b64}``  bytes; ``{"__dtype__": "float32"}`` a torch dtype; ``{"__device__": "cpu"}`` a device
 ``{"__path__": s}``     a pathlib path; ``{"__namespace__": {...}}`` an argparse Namespace
 ``{"__unencodable__": s}``  a value with no faithful plain form (an ``nn.Module`` hparam, say): saved as a
@@ -29,6 +31,7 @@ import base64
 import math
 import pathlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -40,12 +43,15 @@ from ..errors import CheckpointWarning
 TensorSink = Callable[[tuple[str, ...], torch.Tensor], Any]
 TensorSource = Callable[[Any], torch.Tensor]
 
-_TAGS = frozenset({"__tensor__", "__ndarray__", "__float__", "__tuple__", "__set__", "__dict__", "__numpy__",
+_TAGS = frozenset({"__tensor__", "__ndarray__", "__float__", "__tuple__", "__set__", "__dict__", "__odict__",
+                   "__size__", "__numpy__",
                    "__bytes__", "__dtype__", "__device__", "__path__", "__namespace__", "__unencodable__"})
 
 
 def encode(value: Any, sink: TensorSink, path: tuple[str, ...] = ()) -> Any:
     """``value`` as JSON-ready data; tensors go to ``sink(path, tensor)``, which returns their reference."""
+    if isinstance(value, np.generic):  # first: np.float64 is a float, np.int64 may pass as an int
+        return {"__numpy__": [value.dtype.str, encode(value.item(), sink, path)]}
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
@@ -60,8 +66,9 @@ def encode(value: Any, sink: TensorSink, path: tuple[str, ...] = ()) -> Any:
         if value.dtype.kind not in "biufc":
             return _unencodable(value, path)
         return {"__ndarray__": sink(path, torch.from_numpy(np.ascontiguousarray(value)))}
-    if isinstance(value, np.generic):
-        return {"__numpy__": [value.dtype.str, encode(value.item(), sink, path)]}
+    if isinstance(value, OrderedDict):
+        return {"__odict__": [[encode(k, sink, (*path, f"key{i}")), encode(v, sink, (*path, str(k)))]
+                              for i, (k, v) in enumerate(value.items())]}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not _TAGS.intersection(value):
             return {k: encode(v, sink, (*path, k)) for k, v in value.items()}
@@ -69,6 +76,8 @@ def encode(value: Any, sink: TensorSink, path: tuple[str, ...] = ()) -> Any:
                              for i, (k, v) in enumerate(value.items())]}
     if isinstance(value, list):
         return [encode(v, sink, (*path, str(i))) for i, v in enumerate(value)]
+    if isinstance(value, torch.Size):
+        return {"__size__": list(value)}
     if isinstance(value, tuple):
         return {"__tuple__": [encode(v, sink, (*path, str(i))) for i, v in enumerate(value)]}
     if isinstance(value, (set, frozenset)):
@@ -116,6 +125,10 @@ def _decode_tagged(tag: str, body: Any, source: TensorSource) -> Any:
         return {decode(v, source) for v in body}
     if tag == "__dict__":
         return {decode(k, source): decode(v, source) for k, v in body}
+    if tag == "__odict__":
+        return OrderedDict((decode(k, source), decode(v, source)) for k, v in body)
+    if tag == "__size__":
+        return torch.Size(body)
     if tag == "__numpy__":
         dtype, value = body
         return np.dtype(dtype).type(decode(value, source))
