@@ -2,45 +2,53 @@
 
 ``Trainer(plugins=[OrtCheckpointIO()])`` routes ``ModelCheckpoint`` and ``trainer.save_checkpoint`` through the
 format layer (atomic, streaming). ``load_checkpoint`` decides by content: ORT files are translated back, anything
-else goes to Lightning's ``TorchCheckpointIO``, so a run can switch formats midway.
+else goes to Lightning's ``TorchCheckpointIO``, so a run can switch formats midway. The class works with both
+``pytorch_lightning`` and ``lightning.pytorch`` Trainers.
 
 A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
 optimizer state keyed by parameter name. The plugin asks the Lightning strategy that owns it for the module and its
-optimizers (:func:`_owner_strategy`). Where there is none (the plugin called directly, outside a ``Trainer``), it
-saves every ``state_dict`` entry as frozen and optimizer state under index names ``param<i>``, with a warning: the
-file still resumes exactly in Lightning, but ORT cannot train from it.
+optimizers (:meth:`OrtCheckpointIO._owner_strategy`). Where there is none (the plugin called directly, outside a
+``Trainer``), it saves every ``state_dict`` entry as frozen and optimizer state under index names ``param<i>``,
+with a warning: the file still resumes exactly in Lightning, but ORT cannot train from it.
+
+With ``async_save=True`` a save copies the tensors to fresh CPU memory (so training may change its own at once) and
+returns; one background thread then writes files, deletes replaced ones and makes links in the order they were
+asked for, so nothing is deleted or linked before the file it depends on is durable. An error there is raised at
+the next call into the plugin, or at the end of fit (:meth:`teardown`).
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import os
+import queue
+import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
-from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
-from pytorch_lightning.strategies import Strategy
-from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 
 from . import rng
-from .errors import CheckpointWarning, CorruptCheckpointError
-from .format import GROUP_ZERO, Checkpoint, atomic, load_checkpoint, save_checkpoint
+from .errors import CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
+from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
+from .namespaces import NAMESPACES, namespace_of
 from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort
 from .translation.optimizers import torch_state_from_ort
 
 RNG_KEY = "lightning_ort_ckpt.rng_states"
 """Where the RNG states travel inside the checkpoint dict (restored and removed again on load)."""
 
+_STRATEGIES = tuple(ns.attr("strategies.Strategy") for ns in NAMESPACES)
+_IO_BASES = tuple(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") for ns in NAMESPACES)
 
-class OrtCheckpointIO(CheckpointIO):
+
+class OrtCheckpointIO(*_IO_BASES):  # type: ignore[misc]
     """A Lightning ``CheckpointIO`` that writes ONNX Runtime training checkpoints.
 
     Args:
@@ -48,32 +56,42 @@ class OrtCheckpointIO(CheckpointIO):
             unless it would pass 2 GiB), ``"never"``, ``"params"`` or ``"all"``.
         ort_compatible: store float16/bfloat16/float8 tensors as float32, which ORT 1.19.2 can load (it cannot load
             the narrow types). Lossless for Lightning: the original dtypes are recorded and restored.
+        async_save: write in the background; training goes on once the tensors are copied off its memory.
     """
 
-    def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False) -> None:
+    def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False,
+                 async_save: bool = False) -> None:
         self.external_data = external_data
         self.ort_compatible = ort_compatible
+        self.async_save = async_save
+        self._worker: _Worker | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"OrtCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
+        self._raise_background_error()
+        path = os.fspath(path)
         strategy = self._owner_strategy(checkpoint.get("state_dict"))
         info = None
         if strategy is not None and strategy.lightning_module is not None:
             info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
         else:
-            warnings.warn(f"{os.fspath(path)}: OrtCheckpointIO is not attached to a Trainer, so it cannot tell "
-                          "trainable parameters from buffers; all are saved as frozen and optimizer state by "
-                          "index. Lightning resumes it exactly; ORT can load it but not train from it.",
-                          CheckpointWarning, stacklevel=2)
+            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer, so it cannot tell trainable "
+                          "parameters from buffers; all are saved as frozen and optimizer state by index. Lightning "
+                          "resumes it exactly; ORT can load it but not train from it.", CheckpointWarning, stacklevel=2)
         ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=self.ort_compatible)
-        save_checkpoint(ck, path, external_data=self.external_data)
+        if self.async_save:
+            self._run_later(save_checkpoint, _staged(ck), path, external_data=self.external_data)
+        else:
+            save_checkpoint(ck, path, external_data=self.external_data)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait()
         if not is_ort_checkpoint(path):
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            torch_io = NAMESPACES[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")
+            return torch_io().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         strategy = self._owner_strategy()
         checkpoint = read_lightning_checkpoint(path, strategy)
         states = checkpoint.pop(RNG_KEY, None)
@@ -85,9 +103,41 @@ class OrtCheckpointIO(CheckpointIO):
         return _map_location(checkpoint, map_location)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        atomic.remove(os.fspath(path))
+        """Delete a checkpoint and its ``.data`` file (after any save still being written)."""
+        self._raise_background_error()
+        self._run_later(atomic.remove, os.fspath(path)) if self.async_save else atomic.remove(os.fspath(path))
 
-    def _owner_strategy(self, state_dict: dict[str, Any] | None = None) -> Strategy | None:
+    def link(self, target: str | os.PathLike[str], linkpath: str | os.PathLike[str]) -> None:
+        """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable."""
+        self._raise_background_error()
+        if self.async_save:
+            self._run_later(atomic.link, os.fspath(target), os.fspath(linkpath))
+        else:
+            atomic.link(os.fspath(target), os.fspath(linkpath))
+
+    def wait(self) -> None:
+        """Block until background work is done; raise the first error it met."""
+        if self._worker is not None:
+            self._worker.join()
+        self._raise_background_error()
+
+    def teardown(self) -> None:
+        """Lightning calls this at the end of fit: every file is durable when fit returns."""
+        self.wait()
+
+    def _run_later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        if self._worker is None:
+            self._worker = _Worker()
+        self._worker.submit(fn, *args, **kwargs)
+
+    def _raise_background_error(self) -> None:
+        error = self._worker.take_error() if self._worker is not None else None
+        if error is not None:
+            if isinstance(error, CheckpointSaveError):
+                raise error
+            raise CheckpointSaveError(f"a background checkpoint task failed: {error}") from error
+
+    def _owner_strategy(self, state_dict: dict[str, Any] | None = None) -> Any:
         """The strategy whose ``checkpoint_io`` is this plugin (or wraps it).
 
         Lightning gives a ``CheckpointIO`` no reference to its trainer; the strategy that owns the plugin is the one
@@ -95,15 +145,61 @@ class OrtCheckpointIO(CheckpointIO):
         several trainers, the owner is the one whose module holds the tensors being saved (``state_dict``), else the
         one whose trainer is running.
         """
-        found = [s for s in _referrers_of_type(self, Strategy) if _io_of(s) is self]
-        for wrapper in _referrers_of_type(self, CheckpointIO):
+        found = [s for s in _referrers_of_type(self, _STRATEGIES) if _io_of(s) is self]
+        for wrapper in _referrers_of_type(self, _IO_BASES):
             if getattr(wrapper, "checkpoint_io", None) is self:
-                found += [s for s in _referrers_of_type(wrapper, Strategy) if _io_of(s) is wrapper]
+                found += [s for s in _referrers_of_type(wrapper, _STRATEGIES) if _io_of(s) is wrapper]
         if len(found) > 1 and state_dict:
             found = [s for s in found if _holds(s, state_dict)]
         if len(found) > 1:
             found = [s for s in found if _trainer_running(s)]
         return found[0] if len(found) == 1 else None
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order; the first error stops the ones queued after it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ort-ckpt-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self._queue.put((fn, args, kwargs))
+
+    def join(self) -> None:
+        self._queue.join()
+
+    def take_error(self) -> BaseException | None:
+        error, self._error = self._error, None
+        return error
+
+    def _run(self) -> None:
+        while True:
+            fn, args, kwargs = self._queue.get()
+            try:
+                if self._error is None:
+                    fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+
+def _staged(ck: Checkpoint) -> Checkpoint:
+    """A copy whose tensors live in fresh CPU memory, so training can go on changing its own."""
+
+    def copy_(t: Any) -> Any:
+        return t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else copy.deepcopy(t)
+
+    return Checkpoint(
+        trainable={n: copy_(t) for n, t in ck.trainable.items()},
+        frozen={n: copy_(t) for n, t in ck.frozen.items()},
+        optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
+                                            {p: {m: copy_(t) for m, t in ms.items()} for p, ms in grp.states.items()})
+                          for g, grp in ck.optimizer_groups.items()},
+        properties=dict(ck.properties), nominal=ck.nominal)
 
 
 def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -116,7 +212,7 @@ def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
     return head[4:8] == FILE_IDENTIFIER
 
 
-def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Strategy | None = None) -> dict[str, Any]:
+def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file, whether Lightning or ORT alone wrote it.
 
     A file ORT alone wrote carries no loop progress and no optimizer hyperparameters: with the ``strategy`` of the
@@ -127,7 +223,8 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Strategy |
     ck = load_checkpoint(path)
     if MANIFEST in ck.properties:
         return from_ort(ck, path)
-    checkpoint = plain_ort_to_lightning(ck, pl.__version__)
+    version = (namespace_of(strategy) if strategy is not None else NAMESPACES[0]).version
+    checkpoint = plain_ort_to_lightning(ck, version)
     step = checkpoint["global_step"]
     warnings.warn(f"{path} was written by ONNX Runtime, not Lightning: weights and optimizer moments come from it, "
                   f"global_step is its optimizer step ({step}), the epoch starts at 0, and learning-rate schedulers "
@@ -153,7 +250,7 @@ class _OptimizerStatesFromOrt(Sequence):
     """``optimizer_states`` for a file ORT wrote, built when Lightning restores the optimizers: ORT stores no
     hyperparameters, so they are the live optimizers' own, and those exist only after the file was read."""
 
-    def __init__(self, ck: Checkpoint, strategy: Strategy) -> None:
+    def __init__(self, ck: Checkpoint, strategy: Any) -> None:
         self._ck = ck
         self._strategy = strategy
         self._built: list[dict[str, Any]] | None = None
@@ -187,16 +284,17 @@ class _OptimizerStatesFromOrt(Sequence):
 def _load_from_checkpoint_support() -> None:
     """Let ``LightningModule.load_from_checkpoint`` read ORT files.
 
-    Lightning loads there with ``pytorch_lightning.core.saving.pl_load`` (``torch.load``), not with a CheckpointIO;
-    this wraps it so that ORT files (recognized by content) are translated, everything else loads as before.
-    Random states are not restored there: loading weights must not reseed a process.
+    Lightning loads there with ``<lightning>.core.saving.pl_load`` (``torch.load``), not with a CheckpointIO; this
+    wraps it so that ORT files (recognized by content) are translated, everything else loads as before. Random
+    states are not restored there: loading weights must not reseed a process.
     """
-    from pytorch_lightning.core import saving
+    for ns in NAMESPACES:
+        saving = importlib.import_module(f"{ns.trainer.__name__}.core.saving")
+        if not getattr(saving.pl_load, "reads_ort_checkpoints", False):
+            saving.pl_load = _ort_aware(saving.pl_load)
 
-    original = saving.pl_load
-    if getattr(original, "reads_ort_checkpoints", False):
-        return
 
+def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if isinstance(path_or_url, (str, os.PathLike)) and is_ort_checkpoint(path_or_url):
             checkpoint = read_lightning_checkpoint(path_or_url)
@@ -205,13 +303,13 @@ def _load_from_checkpoint_support() -> None:
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     pl_load.reads_ort_checkpoints = True  # type: ignore[attr-defined]
-    saving.pl_load = pl_load
+    return pl_load
 
 
 _load_from_checkpoint_support()
 
 
-def _holds(strategy: Strategy, state_dict: dict[str, Any]) -> bool:
+def _holds(strategy: Any, state_dict: dict[str, Any]) -> bool:
     """Whether the strategy's module owns the memory of the checkpoint's tensors (state_dict entries are views)."""
     module = strategy.lightning_module
     if module is None:
@@ -221,26 +319,31 @@ def _holds(strategy: Strategy, state_dict: dict[str, Any]) -> bool:
                for k, t in state_dict.items())
 
 
-def _trainer_running(strategy: Strategy) -> bool:
-    module = strategy.lightning_module
-    return module is not None and module._trainer is not None and module._trainer.state.status == TrainerStatus.RUNNING
+def _trainer_state(strategy: Any) -> Any:
+    module = strategy.lightning_module if strategy is not None else None
+    trainer = module._trainer if module is not None else None
+    return trainer.state if trainer is not None else None
 
 
-def _fitting(strategy: Strategy | None) -> bool:
-    if strategy is None or strategy.lightning_module is None or strategy.lightning_module._trainer is None:
-        return False
-    return strategy.lightning_module._trainer.state.fn == TrainerFn.FITTING
+def _trainer_running(strategy: Any) -> bool:
+    state = _trainer_state(strategy)
+    return state is not None and state.status.value == "running"  # TrainerStatus.RUNNING in either Lightning
+
+
+def _fitting(strategy: Any) -> bool:
+    state = _trainer_state(strategy)
+    return state is not None and state.fn is not None and state.fn.value == "fit"  # TrainerFn.FITTING
 
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _io_of(strategy: Strategy) -> Any:
+def _io_of(strategy: Any) -> Any:
     return strategy.__dict__.get("_checkpoint_io")
 
 
-def _referrers_of_type(obj: Any, kind: type) -> list[Any]:
+def _referrers_of_type(obj: Any, kind: type | tuple[type, ...]) -> list[Any]:
     """Objects of ``kind`` that hold ``obj`` in an attribute (directly, or through an instance dict that Python
     has materialized)."""
     found = []

@@ -232,3 +232,23 @@ def remove(path: str) -> None:
             trash = _trash_name(victim)
             os.replace(victim, trash)
             _UNLINKER.put(trash)
+
+
+def link(target: str, linkpath: str) -> None:
+    """Point ``linkpath`` at ``target`` (a relative symbolic link), and ``linkpath.data`` at its ``.data`` if any.
+
+    Each link is made under a temporary name and renamed over the old one, so ``linkpath`` always resolves.
+    """
+    pairs = [(target, linkpath)]
+    if os.path.exists(data_path(target)):
+        pairs.insert(0, (data_path(target), data_path(linkpath)))
+    elif os.path.lexists(data_path(linkpath)):  # left from an earlier target that had external data
+        trash = _trash_name(data_path(linkpath))
+        os.replace(data_path(linkpath), trash)
+        _UNLINKER.put(trash)
+    directory = os.path.dirname(os.path.abspath(linkpath))
+    for source, name in pairs:
+        tmp = _trash_name(name).removesuffix(".old") + ".tmp"
+        os.symlink(os.path.relpath(os.path.abspath(source), directory), tmp)
+        os.replace(tmp, name)
+    _fsync_dir(directory)
