@@ -16,10 +16,14 @@ def __getattr__(name: str) -> object:
         from .plugin import OrtCheckpointIO
 
         return OrtCheckpointIO
+    if name == "OrtCheckpoint":
+        from .callback import OrtCheckpoint
+
+        return OrtCheckpoint
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "Checkpoint", "CheckpointError", "CheckpointReader", "CheckpointSaveError", "CorruptCheckpointError",
-    "DataType", "OptimizerGroup", "OrtCheckpointIO", "TensorInfo", "load_checkpoint", "open_checkpoint", "save_checkpoint",
+    "DataType", "OptimizerGroup", "OrtCheckpoint", "OrtCheckpointIO", "TensorInfo", "load_checkpoint", "open_checkpoint", "save_checkpoint",
 ]

@@ -1,0 +1,256 @@
+"""``OrtCheckpoint``: Lightning's ``ModelCheckpoint``, writing ORT checkpoints, with the fixes its users ask for.
+
+It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``ModelCheckpoint``, so
+``ckpt_path="last"`` and ``"best"`` resolve to its files) and installs :class:`OrtCheckpointIO` by itself. On top:
+
+- **Triggers combine.** ``every_n_train_steps``, ``every_n_epochs`` and ``train_time_interval`` may be given together;
+  with ``monitor`` set, every fresh value of the monitored metric (a validation run, a logged epoch metric) is a
+  trigger too: a save "on improvement" when it enters the top ``save_top_k``.
+- **No stale ranking.** A save is ranked by the monitored value only if that value was computed at the step being
+  saved. A save due at a step where the value is older (say every 100 steps, with validation once per epoch) is
+  written unranked and kept as one of the newest files (``keep_newest``); the value gets ranked when it is next
+  computed. Every file records the step its monitored value comes from (``current_score_step`` in its state).
+- **Keep the newest N** (``keep_newest``, ORT's ``max_num_checkpoints``) next to the top-k by metric. Nothing in the
+  top k, the best file, the last file or the file training resumed from is ever deleted, and nothing is deleted
+  before the new file is durable.
+- **Asynchronous saving** (``async_save=True``): training goes on while the file is written; see OrtCheckpointIO.
+- **"last" falls back**: if the newest checkpoint in ``dirpath`` is unreadable, ``ckpt_path="last"`` resumes from
+  the newest valid one, with a warning.
+- ``include_optimizer_state=False`` writes parameters only (small deploy files), like ORT's flag of that name; it is
+  ``save_weights_only=True`` under the ORT name.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+from typing import Any, Literal
+
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from .errors import CheckpointError, CheckpointWarning
+from .format import open_checkpoint
+from .format.writer import ExternalData
+from .namespaces import NAMESPACES
+from .plugin import OrtCheckpointIO, is_ort_checkpoint
+
+
+_TORCH_IOS = tuple(ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in NAMESPACES)
+
+
+class OrtCheckpointMixin:
+    """The behaviour of ``OrtCheckpoint``, shared by the ``pytorch_lightning`` and ``lightning.pytorch`` classes."""
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | Literal["link"] | None = None,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        *,
+        include_optimizer_state: bool = True,
+        keep_newest: int | None = None,
+        async_save: bool = False,
+        external_data: ExternalData = "auto",
+        ort_compatible: bool = False,
+    ) -> None:
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if keep_newest is not None and keep_newest < 1:
+            raise ValueError(f"keep_newest must be None or >= 1, got {keep_newest}")
+        if keep_newest is not None and monitor is None and save_top_k == 1:
+            save_top_k = -1  # without a metric, keep_newest alone decides which files go
+        # ModelCheckpoint accepts one trigger; give it the first and set the others afterwards (they are checked
+        # independently in its hooks).
+        triggers = {"every_n_train_steps": every_n_train_steps, "every_n_epochs": every_n_epochs,
+                    "train_time_interval": train_time_interval}
+        first = {k: v for k, v in triggers.items() if v}
+        first = dict([next(iter(first.items()))]) if first else {}
+        super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,  # type: ignore[call-arg]
+                         save_last=save_last, save_top_k=save_top_k, save_on_exception=save_on_exception,
+                         save_weights_only=save_weights_only or not include_optimizer_state, mode=mode,
+                         auto_insert_metric_name=auto_insert_metric_name, save_on_train_epoch_end=save_on_train_epoch_end,
+                         enable_version_counter=enable_version_counter, **first)
+        if first:
+            self._every_n_train_steps = every_n_train_steps or 0
+            self._every_n_epochs = every_n_epochs or 0
+            self._train_time_interval = train_time_interval
+        self.include_optimizer_state = include_optimizer_state
+        self.keep_newest = keep_newest
+        self.async_save = async_save
+        self.external_data = external_data
+        self.ort_compatible = ort_compatible
+        self.current_score_step: int | None = None
+        self._saved: list[str] = []  # files saved for top-k or periodically, oldest first
+        self._to_delete: set[str] = set()  # files waiting until nothing protects them
+        self._last_unranked = ""
+        self._monitor_value: Any = None
+        self._monitor_step: int | None = None
+        self._io: OrtCheckpointIO | None = None
+
+    # -- set-up -------------------------------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        io = trainer.strategy.__dict__.get("_checkpoint_io")
+        if isinstance(io, OrtCheckpointIO):
+            self._io = io
+        elif io is None or type(io) in _TORCH_IOS:
+            self._io = OrtCheckpointIO(self.external_data, self.ort_compatible, self.async_save)
+            trainer.strategy.checkpoint_io = self._io
+        else:
+            raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "
+                             f"{type(io).__name__}; remove it or pass OrtCheckpointIO")
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._io is not None:
+            self._io.wait()  # every file durable and every error raised before fit returns
+        super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+
+    # -- freshness of the monitored metric ----------------------------------------------------------------------
+    def _note_monitor(self, trainer: Any) -> None:
+        """Remember the step at which the monitored value last changed (Lightning replaces the tensor object)."""
+        if self.monitor is None:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is not None and value is not self._monitor_value:
+            self._monitor_value, self._monitor_step = value, trainer.global_step
+
+    def _fresh(self, trainer: Any) -> bool:
+        return self._monitor_step == trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        self._note_monitor(trainer)
+        super().on_train_batch_end(trainer, *args, **kwargs)  # type: ignore[misc]
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._note_monitor(trainer)
+        super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
+        self._save_on_fresh_value(trainer)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._note_monitor(trainer)
+        super().on_validation_end(trainer, pl_module)  # type: ignore[misc]
+        self._save_on_fresh_value(trainer)
+
+    def _save_on_fresh_value(self, trainer: Any) -> None:
+        """Monitoring is a trigger of its own: a fresh value that enters the top k is saved now."""
+        if (self.monitor is None or self.save_top_k == 0 or not self._fresh(trainer)
+                or self._should_skip_saving_checkpoint(trainer)):  # type: ignore[attr-defined]
+            return
+        candidates = self._monitor_candidates(trainer)  # type: ignore[attr-defined]
+        if self.monitor in candidates and self.check_monitor_top_k(trainer, candidates[self.monitor]):  # type: ignore[attr-defined]
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)  # type: ignore[attr-defined]
+
+    def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
+        if self.monitor is not None and self.monitor in monitor_candidates and not self._fresh(trainer):
+            # the value predates this step: save on schedule, but do not rank it with a value it does not have
+            filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)  # type: ignore[attr-defined]
+            self._save_checkpoint(trainer, filepath)
+            if self.keep_newest is None and self._last_unranked:  # without keep_newest, one unranked file at a time
+                self._to_delete.add(self._last_unranked)
+            self._last_unranked = filepath
+            self._retain(trainer)
+            return
+        if self.monitor is not None and self.monitor in monitor_candidates:
+            self.current_score_step = trainer.global_step
+        super()._save_topk_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+
+    # -- saving, retention, links -------------------------------------------------------------------------------
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
+        if os.path.basename(filepath).startswith(self.CHECKPOINT_NAME_LAST):  # type: ignore[attr-defined]
+            return
+        if filepath in self._saved:
+            self._saved.remove(filepath)
+        self._saved.append(filepath)
+        self._to_delete.discard(filepath)
+
+    def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
+        """Lightning drops a file from its top k (or replaces last): delete it once nothing else keeps it."""
+        self._to_delete.add(filepath)
+        self._retain(trainer)
+
+    def _retain(self, trainer: Any) -> None:
+        keep = set(self.best_k_models) | {self.best_model_path, self.last_model_path}  # type: ignore[attr-defined]
+        if trainer.ckpt_path:
+            keep.add(os.fspath(trainer.ckpt_path))
+        if self.keep_newest is not None:
+            keep.update(self._saved[-self.keep_newest:])
+            self._to_delete.update(self._saved[:-self.keep_newest])
+        for path in sorted(self._to_delete - keep):
+            if self._should_remove_checkpoint(trainer, path, self.last_model_path or ""):  # type: ignore[attr-defined]
+                trainer.strategy.remove_checkpoint(path)
+            self._to_delete.discard(path)
+            if path in self._saved:
+                self._saved.remove(path)
+
+    def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:  # type: ignore[override]
+        """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable."""
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            assert self._io is not None
+            self._io.link(filepath, linkpath)
+        trainer.strategy.barrier()
+
+    # -- resume -------------------------------------------------------------------------------------------------
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        """For ``ckpt_path="last"``: the newest readable checkpoint in ``dirpath``, skipping damaged ones."""
+        candidates = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
+        directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)  # type: ignore[attr-defined]  # as Lightning does
+        if directory and os.path.isdir(directory):
+            candidates |= {os.path.join(directory, f) for f in os.listdir(directory)
+                           if f.endswith(self.FILE_EXTENSION) and not f.startswith(".")}  # type: ignore[attr-defined]
+        for path in sorted(candidates, key=_mtime, reverse=True):
+            problem = _unreadable(path)
+            if problem is None:
+                return {path}
+            warnings.warn(f"{path} cannot be resumed from ({problem}); trying the next newest checkpoint",
+                          CheckpointWarning, stacklevel=2)
+        return set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "current_score_step": self.current_score_step,  # type: ignore[misc]
+                "saved": list(self._saved)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        self.current_score_step = state_dict.get("current_score_step")
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            self._saved = [p for p in state_dict.get("saved", []) if os.path.exists(p)]
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return float("-inf")
+
+
+def _unreadable(path: str) -> str | None:
+    """Why ``path`` cannot be resumed from, or None. Torch files are taken on trust (Lightning reads them)."""
+    if not os.path.exists(path):
+        return "missing"
+    if not is_ort_checkpoint(path):
+        return None if os.path.getsize(path) > 0 else "empty file"
+    try:
+        with open_checkpoint(path):
+            return None
+    except CheckpointError as e:
+        return str(e).removeprefix(f"{path}: ")
+
+
+class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` writing ORT checkpoints, for ``pytorch_lightning`` Trainers (module doc)."""
