@@ -18,6 +18,9 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
   the newest valid one, with a warning.
 - ``include_optimizer_state=False`` writes parameters only (small deploy files), like ORT's flag of that name; it is
   ``save_weights_only=True`` under the ORT name.
+- ``export_best_to="model.onnx"`` exports the best checkpoint (the last one without ``monitor``) when fit ends, as
+  an ONNX inference model verified against ONNX Runtime (see ``lightning_ort_ckpt.export``); the report is in
+  ``export_report``.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class OrtCheckpointMixin:
         async_save: bool = False,
         external_data: ExternalData = "auto",
         ort_compatible: bool = False,
+        export_best_to: str | os.PathLike[str] | None = None,
+        export_tolerance: float = 1e-5,
     ) -> None:
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and value < 0:
@@ -93,6 +98,9 @@ class OrtCheckpointMixin:
         self.async_save = async_save
         self.external_data = external_data
         self.ort_compatible = ort_compatible
+        self.export_best_to = export_best_to
+        self.export_tolerance = export_tolerance
+        self.export_report: Any = None
         self.current_score_step: int | None = None
         self._saved: list[str] = []  # files saved for top-k or periodically, oldest first
         self._to_delete: set[str] = set()  # files waiting until nothing protects them
@@ -117,7 +125,19 @@ class OrtCheckpointMixin:
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self._io is not None:
             self._io.wait()  # every file durable and every error raised before fit returns
+        if stage == "fit" and self.export_best_to is not None and trainer.is_global_zero:
+            self._export_best(type(pl_module))
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
+
+    def _export_best(self, module_class: type) -> None:
+        """``export_best_to``: the best checkpoint (else the last) as an ONNX model verified against ORT."""
+        from .export import export_onnx
+
+        source = self.best_model_path or self.last_model_path
+        if not source:
+            warnings.warn("export_best_to is set but no checkpoint was saved; nothing exported", CheckpointWarning)
+            return
+        self.export_report = export_onnx(module_class, source, self.export_best_to, tolerance=self.export_tolerance)
 
     # -- freshness of the monitored metric ----------------------------------------------------------------------
     def _note_monitor(self, trainer: Any) -> None:

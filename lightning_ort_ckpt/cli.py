@@ -1,7 +1,8 @@
 """The ``ort-ckpt`` command: look inside and check ORT checkpoints. Runs without torch.
 
 ``ort-ckpt inspect FILE [--json]`` lists tensors, optimizer groups, properties and totals; ``ort-ckpt verify FILE``
-runs every check of the reader and exits 0 when the file is valid, 1 when it is not.
+runs every check of the reader and exits 0 when the file is valid, 1 when it is not; ``ort-ckpt export FILE --module
+pkg.mod:Class --output model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs torch).
 """
 
 from __future__ import annotations
@@ -29,7 +30,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_inspect.add_argument("--json", action="store_true", help="print one JSON document for scripts")
     p_verify = sub.add_parser("verify", help="validate the file completely; exit status 0 if valid, 1 if not")
     p_verify.add_argument("file")
+    p_export = sub.add_parser("export", help="export a checkpoint to an ONNX inference model, checked against "
+                              "ONNX Runtime")
+    p_export.add_argument("file", help="an ORT or torch checkpoint")
+    p_export.add_argument("--module", required=True,
+                          help="your LightningModule class: 'package.module:ClassName' or 'file.py:ClassName'")
+    p_export.add_argument("--output", "-o", required=True, help="the .onnx file to write")
+    p_export.add_argument("--tolerance", type=float, default=1e-5,
+                          help="largest accepted |ONNX Runtime - torch| on the example input (default 1e-5)")
+    p_export.add_argument("--external-data", action="store_true", help="keep the weights in <output>.data")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     try:
         with CheckpointReader(args.file) as reader:
             report = describe(reader)
@@ -45,6 +57,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  note: {warning}")
         return 0
     print(json.dumps(report, indent=2) if args.json else _render(report))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import export_onnx, load_module_class  # torch and onnxruntime: only for this command
+
+    try:
+        report = export_onnx(load_module_class(args.module), args.file, args.output, tolerance=args.tolerance,
+                             external_data=args.external_data or None)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report)
     return 0
 
 
