@@ -35,11 +35,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from .errors import CheckpointError, CheckpointWarning
 from .format import open_checkpoint
 from .format.writer import ExternalData
-from .namespaces import NAMESPACES
-from .plugin import OrtCheckpointIO, is_ort_checkpoint
-
-
-_TORCH_IOS = tuple(ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in NAMESPACES)
+from .namespaces import loaded, namespace_of
+from .plugin import OrtCheckpointIO, is_ort_checkpoint, plugin_class_for
 
 
 class OrtCheckpointMixin:
@@ -115,8 +112,9 @@ class OrtCheckpointMixin:
         io = trainer.strategy.__dict__.get("_checkpoint_io")
         if isinstance(io, OrtCheckpointIO):
             self._io = io
-        elif io is None or type(io) in _TORCH_IOS:
-            self._io = OrtCheckpointIO(self.external_data, self.ort_compatible, self.async_save)
+        elif io is None or type(io) in {ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in loaded()}:
+            self._io = plugin_class_for(namespace_of(trainer))(self.external_data, self.ort_compatible,
+                                                               self.async_save)
             trainer.strategy.checkpoint_io = self._io
         else:
             raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "

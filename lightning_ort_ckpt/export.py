@@ -120,7 +120,10 @@ def load_module_class(spec: str) -> type:
     else:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # like `python -m`: modules of the current project are importable
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ExportError(f"cannot import {where}: {e}") from None
     try:
         return getattr(module, name)
     except AttributeError:

@@ -1,13 +1,16 @@
 """The classes for ``lightning.pytorch`` Trainers (the ``lightning`` package).
 
 ``from lightning_ort_ckpt.lightning import OrtCheckpoint, OrtCheckpointIO``; the top-level names are for
-``pytorch_lightning``. ``OrtCheckpointIO`` is the same class in both: it derives from both copies' ``CheckpointIO``.
+``pytorch_lightning``. Importing this module imports ``lightning.pytorch``.
 """
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from .callback import OrtCheckpointMixin
-from .plugin import OrtCheckpointIO
+from .namespaces import named
+from .plugin import plugin_class_for
+
+OrtCheckpointIO = plugin_class_for(named("lightning.pytorch"))
 
 
 class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):

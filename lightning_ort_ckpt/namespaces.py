@@ -1,23 +1,25 @@
-"""The Lightning packages installed here.
+"""The copies of Lightning in use.
 
 ``pytorch_lightning`` and ``lightning.pytorch`` (the ``lightning`` package) ship separate copies of the same classes,
-and a Trainer accepts only callbacks and plugins of its own copy. Our plugin derives from every copy's
-``CheckpointIO`` and works in both; the callback comes in one class per copy (``lightning_ort_ckpt.OrtCheckpoint``
-for ``pytorch_lightning``, ``lightning_ort_ckpt.lightning.OrtCheckpoint`` for ``lightning.pytorch``).
+and a Trainer accepts only callbacks and plugins of its own copy. Importing a copy takes seconds, so only copies the
+process has imported count: ``pytorch_lightning`` (our dependency, imported by the plugin) and ``lightning.pytorch``
+once the user (or ``lightning_ort_ckpt.lightning``) imports it.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+_COPIES = (("pytorch_lightning", "lightning_fabric"), ("lightning.pytorch", "lightning.fabric"))
+
 
 @dataclass(frozen=True)
 class Namespace:
-    """One installed copy of Lightning: its trainer package and the fabric package it uses."""
+    """One copy of Lightning: its trainer package and the fabric package it uses."""
 
     trainer: ModuleType  # pytorch_lightning or lightning.pytorch
     fabric: ModuleType  # lightning_fabric or lightning.fabric
@@ -36,25 +38,23 @@ class Namespace:
         return getattr(importlib.import_module(f"{self.fabric.__name__}.{module}"), name)
 
 
-def _installed() -> list[Namespace]:
-    found = []
-    for trainer, fabric in (("pytorch_lightning", "lightning_fabric"), ("lightning.pytorch", "lightning.fabric")):
-        try:
-            present = importlib.util.find_spec(trainer) is not None
-        except ModuleNotFoundError:  # the parent package `lightning` is absent
-            present = False
-        if present:
-            found.append(Namespace(importlib.import_module(trainer), importlib.import_module(fabric)))
-    return found
+def loaded() -> list[Namespace]:
+    """The copies of Lightning imported in this process."""
+    return [Namespace(sys.modules[trainer], importlib.import_module(fabric))
+            for trainer, fabric in _COPIES if trainer in sys.modules]
 
 
-NAMESPACES = _installed()
+def named(trainer_package: str) -> Namespace:
+    """The copy whose trainer package is ``trainer_package`` (imported now if it was not)."""
+    fabric = dict(_COPIES)[trainer_package]
+    return Namespace(importlib.import_module(trainer_package), importlib.import_module(fabric))
 
 
 def namespace_of(obj: Any) -> Namespace:
     """The copy of Lightning an object (a strategy, a trainer) comes from."""
     module = type(obj).__module__
-    for ns in NAMESPACES:
+    copies = loaded()
+    for ns in copies:
         if module == ns.trainer.__name__ or module.startswith(ns.trainer.__name__ + "."):
             return ns
-    return NAMESPACES[0]
+    return copies[0]

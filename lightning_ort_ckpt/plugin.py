@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
@@ -37,18 +38,14 @@ from .errors import CheckpointSaveError, CheckpointWarning, CorruptCheckpointErr
 from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
-from .namespaces import NAMESPACES, namespace_of
+from .namespaces import Namespace, loaded, namespace_of
 from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort
 from .translation.optimizers import torch_state_from_ort
 
 RNG_KEY = "lightning_ort_ckpt.rng_states"
 """Where the RNG states travel inside the checkpoint dict (restored and removed again on load)."""
 
-_STRATEGIES = tuple(ns.attr("strategies.Strategy") for ns in NAMESPACES)
-_IO_BASES = tuple(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") for ns in NAMESPACES)
-
-
-class OrtCheckpointIO(*_IO_BASES):  # type: ignore[misc]
+class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") for ns in loaded())):  # type: ignore[misc]
     """A Lightning ``CheckpointIO`` that writes ONNX Runtime training checkpoints.
 
     Args:
@@ -90,7 +87,7 @@ class OrtCheckpointIO(*_IO_BASES):  # type: ignore[misc]
                         weights_only: bool | None = None) -> dict[str, Any]:
         self.wait()
         if not is_ort_checkpoint(path):
-            torch_io = NAMESPACES[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")
+            torch_io = loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")
             return torch_io().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         strategy = self._owner_strategy()
         checkpoint = read_lightning_checkpoint(path, strategy)
@@ -145,10 +142,12 @@ class OrtCheckpointIO(*_IO_BASES):  # type: ignore[misc]
         several trainers, the owner is the one whose module holds the tensors being saved (``state_dict``), else the
         one whose trainer is running.
         """
-        found = [s for s in _referrers_of_type(self, _STRATEGIES) if _io_of(s) is self]
-        for wrapper in _referrers_of_type(self, _IO_BASES):
+        strategies = tuple(ns.attr("strategies.Strategy") for ns in loaded())
+        ios = tuple(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") for ns in loaded())
+        found = [s for s in _referrers_of_type(self, strategies) if _io_of(s) is self]
+        for wrapper in _referrers_of_type(self, ios):
             if getattr(wrapper, "checkpoint_io", None) is self:
-                found += [s for s in _referrers_of_type(wrapper, _STRATEGIES) if _io_of(s) is wrapper]
+                found += [s for s in _referrers_of_type(wrapper, strategies) if _io_of(s) is wrapper]
         if len(found) > 1 and state_dict:
             found = [s for s in found if _holds(s, state_dict)]
         if len(found) > 1:
@@ -223,7 +222,7 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
     ck = load_checkpoint(path)
     if MANIFEST in ck.properties:
         return from_ort(ck, path)
-    version = (namespace_of(strategy) if strategy is not None else NAMESPACES[0]).version
+    version = (namespace_of(strategy) if strategy is not None else loaded()[0]).version
     checkpoint = plain_ort_to_lightning(ck, version)
     step = checkpoint["global_step"]
     warnings.warn(f"{path} was written by ONNX Runtime, not Lightning: weights and optimizer moments come from it, "
@@ -281,17 +280,32 @@ class _OptimizerStatesFromOrt(Sequence):
         return iter(self._states())
 
 
-def _load_from_checkpoint_support() -> None:
+def plugin_class_for(ns: Namespace) -> type[OrtCheckpointIO]:
+    """``OrtCheckpointIO`` as a ``CheckpointIO`` of that copy of Lightning (a subclass when it was imported after
+    this module), with ``load_from_checkpoint`` taught to read ORT files there."""
+    _load_from_checkpoint_support(ns)
+    base = ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO")
+    if issubclass(OrtCheckpointIO, base):
+        return OrtCheckpointIO
+    if base not in _SUBCLASSES:
+        _SUBCLASSES[base] = type("OrtCheckpointIO", (OrtCheckpointIO, base),
+                                 {"__module__": __name__, "__doc__": OrtCheckpointIO.__doc__})
+    return _SUBCLASSES[base]
+
+
+_SUBCLASSES: dict[type, type[OrtCheckpointIO]] = {}
+
+
+def _load_from_checkpoint_support(ns: Namespace) -> None:
     """Let ``LightningModule.load_from_checkpoint`` read ORT files.
 
     Lightning loads there with ``<lightning>.core.saving.pl_load`` (``torch.load``), not with a CheckpointIO; this
     wraps it so that ORT files (recognized by content) are translated, everything else loads as before. Random
     states are not restored there: loading weights must not reseed a process.
     """
-    for ns in NAMESPACES:
-        saving = importlib.import_module(f"{ns.trainer.__name__}.core.saving")
-        if not getattr(saving.pl_load, "reads_ort_checkpoints", False):
-            saving.pl_load = _ort_aware(saving.pl_load)
+    saving = importlib.import_module(f"{ns.trainer.__name__}.core.saving")
+    if not getattr(saving.pl_load, "reads_ort_checkpoints", False):
+        saving.pl_load = _ort_aware(saving.pl_load)
 
 
 def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -306,7 +320,8 @@ def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
     return pl_load
 
 
-_load_from_checkpoint_support()
+for _ns in loaded():
+    _load_from_checkpoint_support(_ns)
 
 
 def _holds(strategy: Any, state_dict: dict[str, Any]) -> bool:

@@ -1,0 +1,147 @@
+"""Deployment export: ONNX models from checkpoints, verified against the real ONNX Runtime."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ort_ckpt import OrtCheckpoint
+from lightning_ort_ckpt.export import ExportError, export_onnx
+
+MODULE = textwrap.dedent('''
+    import torch
+    import pytorch_lightning as pl
+    from torch import nn
+
+
+    class Demo(pl.LightningModule):
+        """BatchNorm and Dropout: export must run them in inference form."""
+
+        def __init__(self, hidden: int = 16, lr: float = 1e-2):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.3),
+                                     nn.Linear(hidden, 2))
+            self.example_input_array = torch.linspace(-2, 2, 32).reshape(4, 8)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+''')
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A Demo run saved by OrtCheckpoint, best by val_loss, exported to export_best_to when fit ends."""
+    root = tmp_path_factory.mktemp("export")
+    (root / "demo_module.py").write_text(MODULE)
+    sys.path.insert(0, str(root))
+    try:
+        from demo_module import Demo
+    finally:
+        sys.path.remove(str(root))
+    pl.seed_everything(0)
+    x = torch.randn(128, 8)
+    data = TensorDataset(x, (x[:, :4].sum(1) > 0).long())
+    callback = OrtCheckpoint(dirpath=root / "ckpts", monitor="val_loss", save_top_k=2, save_last=True,
+                             export_best_to=root / "best.onnx")
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    trainer.fit(Demo(), DataLoader(data, batch_size=32, shuffle=True), DataLoader(data, batch_size=64))
+    return root, Demo, callback
+
+
+def ort_run(path: Path, x: np.ndarray) -> np.ndarray:
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {"input": x})[0]
+
+
+def torch_run(module_class, checkpoint, x: np.ndarray) -> np.ndarray:
+    module = module_class.load_from_checkpoint(checkpoint).eval()
+    with torch.no_grad():
+        return module(torch.from_numpy(x)).numpy()
+
+
+def test_export_best_at_fit_end(trained):
+    root, Demo, callback = trained
+    report = callback.export_report
+    assert report.path == str(root / "best.onnx") and report.checkpoint == callback.best_model_path
+    assert report.max_abs_diff <= 1e-5 and report.monitor == "val_loss"
+    assert report.score == pytest.approx(float(callback.best_model_score))
+    x = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)  # another batch size, other values
+    np.testing.assert_allclose(ort_run(root / "best.onnx", x), torch_run(Demo, callback.best_model_path, x),
+                               atol=1e-5, rtol=0)
+    meta = {p.key: p.value for p in onnx.load(root / "best.onnx").metadata_props}
+    assert meta["lightning_ort_ckpt.source_checkpoint"] == os.path.abspath(callback.best_model_path)
+    assert meta["lightning_ort_ckpt.monitor"] == "val_loss"
+    assert float(meta["lightning_ort_ckpt.score"]) == report.score
+    assert int(meta["lightning_ort_ckpt.global_step"]) == report.global_step > 0
+
+
+def test_export_with_external_data(trained, tmp_path):
+    root, Demo, callback = trained
+    out = tmp_path / "ext" / "model.onnx"
+    report = export_onnx(Demo, callback.last_model_path, out, external_data=True)
+    assert report.external_data and (tmp_path / "ext" / "model.onnx.data").exists()
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in onnx.load(out, load_external_data=False)
+               .graph.initializer if t.dims)
+    x = np.ones((3, 8), np.float32)
+    np.testing.assert_allclose(ort_run(out, x), torch_run(Demo, callback.last_model_path, x), atol=1e-5, rtol=0)
+
+
+def test_export_into_a_module_instance(trained, tmp_path):
+    root, Demo, callback = trained
+    report = export_onnx(Demo(), callback.best_model_path, tmp_path / "m.onnx")
+    assert report.max_abs_diff <= 1e-5
+
+
+def test_failed_parity_writes_nothing(trained, tmp_path):
+    root, Demo, callback = trained
+    out = tmp_path / "never.onnx"
+    with pytest.raises(ExportError, match="more than the tolerance"):
+        export_onnx(Demo, callback.best_model_path, out, tolerance=0.0,
+                    example_input=torch.full((2, 8), 1e3))  # large inputs: float rounding differs somewhere
+    assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_no_example_input(trained, tmp_path):
+    root, Demo, callback = trained
+    module = Demo()
+    module.example_input_array = None
+    with pytest.raises(ExportError, match="no example input"):
+        export_onnx(module, callback.best_model_path, tmp_path / "m.onnx")
+
+
+def test_cli_export(trained, tmp_path):
+    root, Demo, callback = trained
+    out = tmp_path / "cli.onnx"
+    result = subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", "export", callback.best_model_path,
+                             "--module", f"{root / 'demo_module.py'}:Demo", "--output", str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "max abs difference" in result.stdout and out.exists()
+    bad = subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", "export", callback.best_model_path,
+                          "--module", "no_such_module_here:Demo", "--output", str(tmp_path / "x.onnx")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "no_such_module_here" in bad.stderr
