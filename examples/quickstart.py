@@ -1,115 +1,70 @@
-"""Quickstart: a torch run saved as an ORT checkpoint, trained further by ONNX Runtime, and read back.
+"""Quickstart: train, save ORT checkpoints, get interrupted, resume from "last", export the best, check it in ORT.
 
-This is the foundation-stage demo: it uses the format layer directly. The Lightning callback and plugin build on it.
-Everything runs on the CPU with data made here; nothing is downloaded.
+Run by the README's demo command (`bash scripts/demo.sh`); everything runs on the CPU with data made in code.
 """
 
 from __future__ import annotations
 
-import contextlib
+import glob
 import os
 import subprocess
 import sys
-import tempfile
-import warnings
 
 import numpy as np
-import onnx
 import onnxruntime
-import torch
-from torch import nn
+import pytorch_lightning as pl
 
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, load_checkpoint, save_checkpoint
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from demo_model import DemoModel, loaders, make_data  # noqa: E402
 
+from lightning_ort_ckpt import OrtCheckpoint  # noqa: E402
 
-def make_data(n: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    y = (x[:, :4].sum(dim=1) > 0).long()
-    return x, y
+OUT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "quickstart-out")
 
 
-def to_checkpoint(model: nn.Module, opt: torch.optim.AdamW) -> Checkpoint:
-    """torch AdamW state -> ORT layout: exp_avg is momentum0, exp_avg_sq is momentum1, one group "group0"."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    states = {names[id(p)]: {"momentum0": s["exp_avg"], "momentum1": s["exp_avg_sq"]} for p, s in opt.state.items()}
-    step = int(next(iter(opt.state.values()))["step"])
-    return Checkpoint(
-        trainable={n: p for n, p in model.named_parameters() if p.requires_grad},
-        frozen={n: b for n, b in model.named_buffers()},
-        optimizer_groups={"group0": OptimizerGroup(step, opt.param_groups[0]["lr"], states)},
-        properties={"global_step": step, "source": "torch quickstart"})
+def trainer(max_epochs: int, callback: OrtCheckpoint) -> pl.Trainer:
+    return pl.Trainer(max_epochs=max_epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[callback])
 
 
-@contextlib.contextmanager
-def quiet_native_stderr():
-    """generate_artifacts logs every graph pass at info level from C++; hide that noise, keep Python errors."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "wb") as devnull:
-        os.dup2(devnull.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+def checkpoints() -> OrtCheckpoint:
+    """Every 10 steps (the newest 2 kept) and whenever val_loss enters the top 2; last.ckpt always."""
+    return OrtCheckpoint(dirpath=os.path.join(OUT, "checkpoints"), every_n_train_steps=10, keep_newest=2,
+                         monitor="val_loss", save_top_k=2, save_last=True,
+                         export_best_to=os.path.join(OUT, "model.onnx"))
 
 
 def main() -> None:
-    from onnxruntime.training import api, artifacts
+    pl.seed_everything(0, verbose=False)
+    train, val = loaders()
+    print("== 1. train 2 epochs, saving ORT checkpoints (then the run 'stops')")
+    first = checkpoints()
+    trainer(2, first).fit(DemoModel(), train, val)
+    print(f"   best so far: {os.path.basename(first.best_model_path)} (val_loss {float(first.best_model_score):.4f})")
 
-    onnxruntime.set_default_logger_severity(3)
-    torch.manual_seed(0)
-    x, y = make_data()
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0)
-    for _ in range(20):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-    print(f"torch: 20 AdamW steps, loss {loss.item():.4f}")
+    print('== 2. resume with ckpt_path="last" and train to 4 epochs; the best checkpoint is exported at the end')
+    pl.seed_everything(123, verbose=False)  # resuming does not depend on seeding: the random states are in the file
+    second = checkpoints()
+    run = trainer(4, second)
+    run.fit(DemoModel(), train, val, ckpt_path="last")
+    print(f"   resumed from {os.path.basename(first.last_model_path)}, finished at step {run.global_step}")
+    print(f"   {second.export_report}")
 
-    work = tempfile.mkdtemp(prefix="ort-ckpt-quickstart-")
-    ckpt = os.path.join(work, "torch_run.ckpt")
-    save_checkpoint(to_checkpoint(model, opt), ckpt)
-    print(f"saved {ckpt}; what is inside:")
-    subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", "inspect", ckpt], check=True)
+    print("== 3. the exported model in ONNX Runtime, on fresh data")
+    x, y = (t.numpy() for t in make_data(n=1000, seed=7).tensors)
+    session = onnxruntime.InferenceSession(os.path.join(OUT, "model.onnx"), providers=["CPUExecutionProvider"])
+    accuracy = float((session.run(None, {"input": x})[0].argmax(1) == y).mean())
+    print(f"   accuracy {accuracy:.3f} on 1000 new samples")
 
-    # ORT on-device training picks up the same file: artifacts from the same module, names match state_dict keys.
-    onnx_path = os.path.join(work, "model.onnx")
-    warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export", category=DeprecationWarning)
-    torch.onnx.export(model, (x[:4],), onnx_path, input_names=["input"], output_names=["output"],
-                      dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, dynamo=False,
-                      do_constant_folding=False, training=torch.onnx.TrainingMode.EVAL)
-    with quiet_native_stderr():
-        artifacts.generate_artifacts(onnx.load(onnx_path), requires_grad=[n for n, _ in model.named_parameters()],
-                                     loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.AdamW,
-                                     artifact_directory=work)
-    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):  # ORT 1.19.2 reads IR <= 10
-        m = onnx.load(os.path.join(work, name))
-        if m.ir_version > 10:
-            m.ir_version = 10
-            onnx.save(m, os.path.join(work, name))
-    state = api.CheckpointState.load_checkpoint(ckpt)
-    module = api.Module(os.path.join(work, "training_model.onnx"), state, os.path.join(work, "eval_model.onnx"))
-    optimizer = api.Optimizer(os.path.join(work, "optimizer_model.onnx"), module)
-    optimizer.set_learning_rate(1e-2)
-    module.train()
-    for _ in range(10):
-        ort_loss = module(x.numpy(), y.numpy())
-        optimizer.step()
-        module.lazy_reset_grad()
-    ort_ckpt = os.path.join(work, "ort_run.ckpt")
-    api.CheckpointState.save_checkpoint(state, ort_ckpt, include_optimizer_state=True)
-    print(f"ORT: 10 more AdamW steps from our file, loss {float(np.asarray(ort_loss)):.4f}; saved {ort_ckpt}")
-
-    back = load_checkpoint(ort_ckpt)
-    model.load_state_dict({**back.trainable, **back.frozen})
-    with torch.no_grad():
-        final = nn.functional.cross_entropy(model(x), y).item()
-    print(f"torch again: loaded ORT's checkpoint (optimizer step {back.optimizer_groups['group0'].step}), "
-          f"loss {final:.4f}")
+    print("== 4. what is on disk")
+    for path in sorted(glob.glob(os.path.join(OUT, "checkpoints", "*"))):
+        link = f" -> {os.readlink(path)}" if os.path.islink(path) else ""
+        print(f"   {os.path.relpath(path, OUT)}  {os.path.getsize(path):,} bytes{link}")
+    print(f"== ort-ckpt inspect {os.path.relpath(second.best_model_path, OUT)}")
+    subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", "inspect", second.best_model_path], check=True)
+    print(f"\nExport again from the command line:\n  ort-ckpt export {second.best_model_path} "
+          f"--module {os.path.join(os.path.dirname(os.path.abspath(__file__)), 'demo_model.py')}:DemoModel "
+          f"--output {os.path.join(OUT, 'model-cli.onnx')}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ the manifest records their dtypes, so they come back bit for bit.
 from __future__ import annotations
 
 import json
+import re
 import warnings
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,7 @@ from . import FORMAT, MANIFEST, optimizers, values
 
 VERSION = 1
 EXTRA_PREFIX = "lightning:"
+_PLAIN = re.compile(r"[\w.\-=]{1,48}")
 _NARROW_FLOATS = {torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
                   torch.float8_e5m2fnuz}
 
@@ -69,7 +72,7 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
         (out.trainable if key in trainable else out.frozen)[key] = store(tensor, key)
 
     def extra(path: tuple[str, ...], tensor: torch.Tensor) -> str:
-        name = EXTRA_PREFIX + "/".join(path)
+        name = EXTRA_PREFIX + "/".join(map(_name_part, path))
         while name in out.frozen:
             name += "'"
         out.frozen[name] = store(tensor, name)
@@ -87,6 +90,12 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
     manifest["state_dict_metadata"] = values.encode(getattr(state_dict, "_metadata", None), extra)
     out.properties[MANIFEST] = json.dumps(manifest, separators=(",", ":"), allow_nan=False)
     return out
+
+
+def _name_part(key: str) -> str:
+    """A key as part of a tensor name: itself when short and plain, else a stable short hash (a callback's state
+    key is a dict repr, ModelCheckpoint keys scores by file path)."""
+    return key if _PLAIN.fullmatch(key) else f"#{zlib.crc32(key.encode()):08x}"
 
 
 def _optimizer_to_ort(index: int, opt_state: dict[str, Any], info: ModuleInfo | None, out: Checkpoint,
