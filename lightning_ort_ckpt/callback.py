@@ -7,15 +7,19 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
   with ``monitor`` set, every fresh value of the monitored metric (a validation run, a logged epoch metric) is a
   trigger too: a save "on improvement" when it enters the top ``save_top_k``.
 - **No stale ranking.** A save is ranked by the monitored value only if that value was computed at the step being
-  saved. A save due at a step where the value is older (say every 100 steps, with validation once per epoch) is
-  written unranked and kept as one of the newest files (``keep_newest``); the value gets ranked when it is next
-  computed. Every file records the step its monitored value comes from (``current_score_step`` in its state).
+  saved; a fresh value is ranked exactly as ``ModelCheckpoint`` ranks it. A scheduled save at a step where the value
+  is older (say every 100 steps, with validation once per epoch) is written unranked and kept as one of the newest
+  files (``keep_newest``; without it, only the newest unranked file is kept); the value gets ranked when it is next
+  computed. When validation computes it right after this very step (the last batch of an epoch), the save waits for
+  it instead. Every file records the step its monitored value comes from (``current_score_step`` in its state).
 - **Keep the newest N** (``keep_newest``, ORT's ``max_num_checkpoints``) next to the top-k by metric. Nothing in the
   top k, the best file, the last file or the file training resumed from is ever deleted, and nothing is deleted
   before the new file is durable.
 - **Asynchronous saving** (``async_save=True``): training goes on while the file is written; see OrtCheckpointIO.
 - **"last" falls back**: if the newest checkpoint in ``dirpath`` is unreadable, ``ckpt_path="last"`` resumes from
   the newest valid one, with a warning.
+- **Exact resume from any save point**: the random states are applied again at ``on_train_start`` when a checkpoint
+  saved inside its epoch (at validation end, or mid-epoch) resumes, which the plugin alone cannot do.
 - ``include_optimizer_state=False`` writes parameters only (small deploy files), like ORT's flag of that name; it is
   ``save_weights_only=True`` under the ORT name.
 - ``export_best_to="model.onnx"`` exports the best checkpoint (the last one without ``monitor``) when fit ends, as
@@ -36,7 +40,8 @@ from .errors import CheckpointError, CheckpointWarning
 from .format import open_checkpoint
 from .format.writer import ExternalData
 from .namespaces import loaded, namespace_of
-from .plugin import OrtCheckpointIO, is_ort_checkpoint, plugin_class_for
+from . import rng
+from .plugin import RNG_KEY, OrtCheckpointIO, is_ort_checkpoint, plugin_class_for
 
 
 class OrtCheckpointMixin:
@@ -79,14 +84,14 @@ class OrtCheckpointMixin:
         # independently in its hooks).
         triggers = {"every_n_train_steps": every_n_train_steps, "every_n_epochs": every_n_epochs,
                     "train_time_interval": train_time_interval}
-        first = {k: v for k, v in triggers.items() if v}
-        first = dict([next(iter(first.items()))]) if first else {}
+        given = {k: v for k, v in triggers.items() if v is not None}
+        first = dict(list(given.items())[:1])
         super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,  # type: ignore[call-arg]
                          save_last=save_last, save_top_k=save_top_k, save_on_exception=save_on_exception,
                          save_weights_only=save_weights_only or not include_optimizer_state, mode=mode,
                          auto_insert_metric_name=auto_insert_metric_name, save_on_train_epoch_end=save_on_train_epoch_end,
                          enable_version_counter=enable_version_counter, **first)
-        if first:
+        if len(given) > 1:
             self._every_n_train_steps = every_n_train_steps or 0
             self._every_n_epochs = every_n_epochs or 0
             self._train_time_interval = train_time_interval
@@ -102,6 +107,8 @@ class OrtCheckpointMixin:
         self._saved: list[str] = []  # files saved for top-k or periodically, oldest first
         self._to_delete: set[str] = set()  # files waiting until nothing protects them
         self._last_unranked = ""
+        self._waiting_step: int | None = None  # a scheduled save waiting for the value computed at this step
+        self._in_batch_end = False
         self._monitor_value: Any = None
         self._monitor_step: int | None = None
         self._io: OrtCheckpointIO | None = None
@@ -112,6 +119,10 @@ class OrtCheckpointMixin:
         io = trainer.strategy.__dict__.get("_checkpoint_io")
         if isinstance(io, OrtCheckpointIO):
             self._io = io
+            mine = (self.external_data, self.ort_compatible, self.async_save)
+            if mine != ("auto", False, False) and mine != (io.external_data, io.ort_compatible, io.async_save):
+                warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible and "
+                              "async_save apply, not those given to OrtCheckpoint", CheckpointWarning, stacklevel=2)
         elif io is None or type(io) in {ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in loaded()}:
             self._io = plugin_class_for(namespace_of(trainer))(self.external_data, self.ort_compatible,
                                                                self.async_save)
@@ -119,6 +130,23 @@ class OrtCheckpointMixin:
         else:
             raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "
                              f"{type(io).__name__}; remove it or pass OrtCheckpointIO")
+        self._io.bind(trainer.strategy)
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._resume_rng = (checkpoint.get(RNG_KEY), checkpoint.get("epoch"))
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Random states once more for a checkpoint saved inside its epoch (at validation end, or mid-epoch).
+
+        The plugin restores them when the file is read, which is exact for a save at the end of a training epoch.
+        A resume inside the saved epoch first draws a DataLoader iterator that finishes that epoch (Lightning's
+        ``FitLoop.setup_data``); the uninterrupted run drew it before the save. Restoring again here undoes that.
+        """
+        states, epoch = getattr(self, "_resume_rng", (None, None))
+        self._resume_rng = (None, None)
+        if states is not None and trainer.current_epoch == epoch:
+            rng.restore(states)
+        super().on_train_start(trainer, pl_module)  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self._io is not None:
@@ -151,41 +179,77 @@ class OrtCheckpointMixin:
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         self._note_monitor(trainer)
-        super().on_train_batch_end(trainer, *args, **kwargs)  # type: ignore[misc]
+        self._in_batch_end = True
+        try:
+            super().on_train_batch_end(trainer, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._in_batch_end = False
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self._note_monitor(trainer)
         super().on_train_epoch_end(trainer, pl_module)  # type: ignore[misc]
-        self._save_on_fresh_value(trainer)
+        self._after_fresh_value(trainer)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._note_monitor(trainer)
         super().on_validation_end(trainer, pl_module)  # type: ignore[misc]
-        self._save_on_fresh_value(trainer)
+        self._after_fresh_value(trainer)
 
-    def _save_on_fresh_value(self, trainer: Any) -> None:
-        """Monitoring is a trigger of its own: a fresh value that enters the top k is saved now."""
-        if (self.monitor is None or self.save_top_k == 0 or not self._fresh(trainer)
-                or self._should_skip_saving_checkpoint(trainer)):  # type: ignore[attr-defined]
+    def _after_fresh_value(self, trainer: Any) -> None:
+        """Monitoring is a trigger of its own: a fresh value is ranked now (saved if it enters the top k), and a
+        scheduled save that waited for it happens with it."""
+        if self.monitor is None or not self._fresh(trainer):
+            return
+        self._waiting_step = None
+        if self._should_skip_saving_checkpoint(trainer):  # type: ignore[attr-defined]  # saved at this step already
             return
         candidates = self._monitor_candidates(trainer)  # type: ignore[attr-defined]
-        if self.monitor in candidates and self.check_monitor_top_k(trainer, candidates[self.monitor]):  # type: ignore[attr-defined]
+        if self.monitor in candidates:
             self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)  # type: ignore[attr-defined]
+            if self._last_global_step_saved == trainer.global_step:  # type: ignore[attr-defined]
+                self._save_last_checkpoint(trainer, candidates)  # type: ignore[attr-defined]
 
     def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
-        if self.monitor is not None and self.monitor in monitor_candidates and not self._fresh(trainer):
-            # the value predates this step: save on schedule, but do not rank it with a value it does not have
-            filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)  # type: ignore[attr-defined]
-            self._save_checkpoint(trainer, filepath)
-            if self.keep_newest is None and self._last_unranked:  # without keep_newest, one unranked file at a time
-                self._to_delete.add(self._last_unranked)
-            self._last_unranked = filepath
-            self._retain(trainer)
-            return
-        if self.monitor is not None and self.monitor in monitor_candidates:
-            self.current_score_step = trainer.global_step
-        super()._save_topk_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+        """Lightning's top-k save, called by every trigger. A fresh monitored value is ranked as ModelCheckpoint
+        ranks it; a stale one is never ranked: the scheduled save is written unranked, or waits for the value when
+        validation computes it right after, at this same step."""
+        if self.monitor is None or self.monitor not in monitor_candidates or self.save_top_k == 0:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+        elif self._fresh(trainer):
+            if self.check_monitor_top_k(trainer, monitor_candidates[self.monitor]):  # type: ignore[attr-defined]
+                self.current_score_step = trainer.global_step
+            super()._save_topk_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+        elif self._in_batch_end and self._validation_follows(trainer):
+            self._waiting_step = trainer.global_step
+        else:
+            self._save_unranked(trainer, monitor_candidates)
+
+    def _save_unranked(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
+        filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)  # type: ignore[attr-defined]
+        self._save_checkpoint(trainer, filepath)
+        if self.keep_newest is None and self._last_unranked:  # without keep_newest, one unranked file at a time
+            self._to_delete.add(self._last_unranked)
+        self._last_unranked = filepath
+        self._retain(trainer)
+
+    def _save_last_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
+        if self._waiting_step == trainer.global_step:
+            return  # saved together with the file that waits for this step's value
+        super()._save_last_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+        self._retain(trainer)  # a file kept only because "last" linked to it can go now
+
+    @staticmethod
+    def _validation_follows(trainer: Any) -> bool:
+        """Whether validation runs right after this (last) batch of the epoch, as ModelCheckpoint itself judges."""
+        if not getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False):
+            return False
+        if not getattr(trainer, "enable_validation", False):
+            return False
+        batches = trainer.num_val_batches
+        if not (sum(batches) if isinstance(batches, list) else batches):
+            return False
+        every = trainer.check_val_every_n_epoch
+        return every is None or (trainer.current_epoch + 1) % every == 0
 
     # -- saving, retention, links -------------------------------------------------------------------------------
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -196,6 +260,8 @@ class OrtCheckpointMixin:
             self._saved.remove(filepath)
         self._saved.append(filepath)
         self._to_delete.discard(filepath)
+        if self.keep_newest is not None:
+            self._retain(trainer)
 
     def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
         """Lightning drops a file from its top k (or replaces last): delete it once nothing else keeps it."""
@@ -204,6 +270,8 @@ class OrtCheckpointMixin:
 
     def _retain(self, trainer: Any) -> None:
         keep = set(self.best_k_models) | {self.best_model_path, self.last_model_path}  # type: ignore[attr-defined]
+        if self.last_model_path and os.path.islink(self.last_model_path):  # never leave "last" dangling
+            keep.add(os.path.join(os.path.dirname(self.last_model_path), os.readlink(self.last_model_path)))
         if trainer.ckpt_path:
             keep.add(os.fspath(trainer.ckpt_path))
         if self.keep_newest is not None:
@@ -241,13 +309,14 @@ class OrtCheckpointMixin:
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,  # type: ignore[misc]
-                "saved": list(self._saved)}
+                "saved": list(self._saved), "last_unranked": self._last_unranked}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
         self.current_score_step = state_dict.get("current_score_step")
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:
             self._saved = [p for p in state_dict.get("saved", []) if os.path.exists(p)]
+            self._last_unranked = state_dict.get("last_unranked", "")
 
 
 def _mtime(path: str) -> float:

@@ -79,8 +79,12 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
                           checkpoint)
     args = args if isinstance(args, tuple) else (args,)
     input_names = input_names or ([f"input{i}" for i in range(len(args))] if len(args) > 1 else ["input"])
-    with torch.no_grad():
-        expected = module(*args)
+    try:
+        with torch.no_grad():
+            expected = module(*args)
+    except Exception as e:  # noqa: BLE001 - the user's forward may raise anything
+        raise ExportError(f"the module's forward failed on the example input: {type(e).__name__}: {e}",
+                          checkpoint) from e
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     output_names = output_names or ([f"output{i}" for i in range(len(expected))] if len(expected) > 1 else ["output"])
     monitor, score = _monitored_score(state)

@@ -19,6 +19,7 @@ the next call into the plugin, or at the end of fit (:meth:`teardown`).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import gc
 import importlib
@@ -26,6 +27,7 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -43,7 +45,7 @@ from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_
 from .translation.optimizers import torch_state_from_ort
 
 RNG_KEY = "lightning_ort_ckpt.rng_states"
-"""Where the RNG states travel inside the checkpoint dict (restored and removed again on load)."""
+"""Where the RNG states travel inside the checkpoint dict (restored on load when fitting)."""
 
 class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") for ns in loaded())):  # type: ignore[misc]
     """A Lightning ``CheckpointIO`` that writes ONNX Runtime training checkpoints.
@@ -62,6 +64,7 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
         self.ort_compatible = ort_compatible
         self.async_save = async_save
         self._worker: _Worker | None = None
+        self._owner: weakref.ref[Any] | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
@@ -91,7 +94,7 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
             return torch_io().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         strategy = self._owner_strategy()
         checkpoint = read_lightning_checkpoint(path, strategy)
-        states = checkpoint.pop(RNG_KEY, None)
+        states = checkpoint.get(RNG_KEY)  # left in the dict: OrtCheckpoint may need them again (on_train_start)
         if states is not None and _fitting(strategy):  # validate/test/predict must not reseed the process
             try:
                 rng.restore(states)
@@ -142,6 +145,10 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
         several trainers, the owner is the one whose module holds the tensors being saved (``state_dict``), else the
         one whose trainer is running.
         """
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and _io_of(owner) is self and (
+                _holds(owner, state_dict) if state_dict else _trainer_running(owner)):
+            return owner  # the common case, without a search of the heap
         strategies = tuple(ns.attr("strategies.Strategy") for ns in loaded())
         ios = tuple(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") for ns in loaded())
         found = [s for s in _referrers_of_type(self, strategies) if _io_of(s) is self]
@@ -152,7 +159,14 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
             found = [s for s in found if _holds(s, state_dict)]
         if len(found) > 1:
             found = [s for s in found if _trainer_running(s)]
-        return found[0] if len(found) == 1 else None
+        if len(found) != 1:
+            return None
+        self.bind(found[0])
+        return found[0]
+
+    def bind(self, strategy: Any) -> None:
+        """Remember the strategy that owns this plugin (``OrtCheckpoint`` does this in ``setup``), weakly."""
+        self._owner = weakref.ref(strategy)
 
 
 class _Worker:
@@ -163,6 +177,7 @@ class _Worker:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ort-ckpt-save", daemon=True)
         self._thread.start()
+        atexit.register(self.join)  # a save queued just before the program ends is still written
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         self._queue.put((fn, args, kwargs))

@@ -7,13 +7,6 @@ have deleted fails the test; every checkpoint left is checked to be an ORT file 
 Setup: a linear model without dropout, 8 samples in batches of 2 (4 optimizer steps per epoch), no shuffling, one
 validation batch per epoch whose logged ``val_loss`` is taken from a list indexed by ``current_epoch`` (so the
 top-k is known in advance), no sanity check.
-
-Library bugs found here are strict xfails (each reason says what goes wrong):
-- ``train_time_interval=timedelta(0)`` is dropped (falsy) and replaced by ``every_n_epochs=1``;
-- ``keep_newest`` without ``monitor`` never deletes anything;
-- with the default ``save_on_train_epoch_end``, a step-triggered save at the epoch's last step happens before
-  validation, and the fresh value computed right after at that step is never ranked (the stale-metric rule broken);
-- after ``fit(ckpt_path="last")`` the unranked file from before the interruption is never deleted.
 """
 
 from __future__ import annotations
@@ -205,8 +198,6 @@ def test_train_time_interval(tmp_path: Any) -> None:
     assert_ort_files(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, reason="timedelta(0) is falsy: OrtCheckpoint drops train_time_interval=timedelta(0) "
-                   "and falls back to every_n_epochs=1, where ModelCheckpoint saves at every step")
 def test_zero_train_time_interval_saves_every_step(tmp_path: Any) -> None:
     cb = OrtCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(0), save_top_k=-1)
     fit(cb, 1)
@@ -265,9 +256,48 @@ def test_save_last_link(tmp_path: Any, external_data: str, async_save: bool) -> 
     assert_ort_files(tmp_path)  # last.ckpt loads in ORT through the link (and its .data through the other one)
 
 
-@pytest.mark.xfail(strict=True, reason="keep_newest without monitor never deletes: it sets save_top_k=-1, and "
-                   "OrtCheckpoint._retain runs only from _remove_checkpoint (never called with save_top_k=-1) or "
-                   "after an unranked save, so every file stays")
+def test_last_link_never_dangles_while_rotating(tmp_path: Any, monkeypatch: Any) -> None:
+    """Each deletion happens only once last.ckpt no longer points at the file being deleted."""
+    remove, seen = atomic.remove, []
+
+    def checked_remove(path: str) -> None:
+        seen.append(path)
+        assert os.path.exists(tmp_path / "last.ckpt"), f"last.ckpt dangles when {path} is deleted"
+        assert os.path.realpath(tmp_path / "last.ckpt") != os.path.realpath(path)
+        remove(path)
+
+    monkeypatch.setattr(atomic, "remove", checked_remove)
+    fit(OrtCheckpoint(dirpath=tmp_path, save_last="link"), 3)
+    assert len(seen) == 2 and files_after_fit(tmp_path) == {name(2, 12), "last.ckpt"}
+
+
+def test_callback_settings_conflicting_with_the_trainers_plugin_warn(tmp_path: Any) -> None:
+    cb = OrtCheckpoint(dirpath=tmp_path, async_save=True)
+    with pytest.warns(CheckpointWarning, match="the Trainer already has an OrtCheckpointIO"):
+        fit(cb, 1, plugins=[OrtCheckpointIO()])
+
+
+def test_async_saves_queued_at_exit_are_written(tmp_path: Any) -> None:
+    """A program that ends right after async saves (outside fit, no wait()) still gets every file."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch
+        from lightning_ort_ckpt import Checkpoint, OrtCheckpointIO
+        io = OrtCheckpointIO(async_save=True)
+        for i in range(3):
+            io.save_checkpoint({{"state_dict": {{"w": torch.full((256, 1024), float(i))}}, "epoch": i}},
+                               {str(tmp_path)!r} + f"/{{i}}.ckpt")
+    """)
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["0.ckpt", "1.ckpt", "2.ckpt"]
+    for i in range(3):
+        assert open_checkpoint(tmp_path / f"{i}.ckpt").get_tensor("w")[0, 0] == float(i)
+
+
 def test_keep_newest_without_monitor(tmp_path: Any) -> None:
     cb = OrtCheckpoint(dirpath=tmp_path, keep_newest=2)
     fit(cb, 4)
@@ -305,12 +335,7 @@ STALE_VALS = [3.0, 1.0, 2.0]  # val_loss computed at steps 4, 8 and 12
 @pytest.mark.parametrize(("save_on_train_epoch_end", "async_save"), [
     pytest.param(False, False, id="after-validation"),
     pytest.param(False, True, id="after-validation-async"),
-    pytest.param(None, False, id="default", marks=pytest.mark.xfail(strict=True, reason=(
-        "with the default save_on_train_epoch_end (True for one validation per epoch) the step trigger saves at the "
-        "epoch's last step BEFORE validation runs (unranked, stale), and the fresh value computed right after at that "
-        "same step is then never ranked or saved: _save_on_fresh_value bails out on _should_skip_saving_checkpoint "
-        "(_last_global_step_saved == global_step). Here val_loss=1.0 at step 8 (the best) is lost and best_model_path "
-        "stays the 3.0 file of step 4"))),
+    pytest.param(None, False, id="default"),
 ])
 def test_step_trigger_with_monitor_does_not_rank_stale_values(tmp_path: Any, save_on_train_epoch_end: bool | None,
                                                               async_save: bool) -> None:
@@ -400,9 +425,6 @@ def test_resume_last_continues_with_the_uninterrupted_state(resumed_from_last: d
     assert_ort_files(r["dirs"][1], r["resumed_files"])
 
 
-@pytest.mark.xfail(strict=True, reason="the unranked file saved before the interruption (step 6) is never deleted "
-                   "after resuming: OrtCheckpoint._last_unranked is not part of the callback state, so the first "
-                   "unranked save after the resume does not replace it as the uninterrupted run does")
 def test_resume_last_leaves_the_same_files(resumed_from_last: dict[str, Any]) -> None:
     r = resumed_from_last
     assert r["full_files"] == {at_step(8), at_step(14), at_step(16), "last.ckpt"}

@@ -402,3 +402,21 @@ def test_cli_inspect_shows_the_lightning_summary(lightning_run):
     assert f"saved by Lightning {pl.__version__}" in line, line
     assert "optimizer_states" in line and "loops" in line, line
     assert "optimizer group group0: step 3" in result.stdout
+
+
+def test_ort_resave_without_optimizer_state_still_resumes(lightning_run, tmp_path):
+    """ORT's save_checkpoint defaults to include_optimizer_state=False: weights and metadata survive, moments do not."""
+    api = ort_api()
+    out = str(tmp_path / "weights_only_by_ort.ckpt")
+    api.CheckpointState.save_checkpoint(api.CheckpointState.load_checkpoint(lightning_run.path), out)
+    with open_checkpoint(out) as reader:
+        assert reader.optimizer_groups == {}
+    snapshot = SnapshotAtTrainStart()
+    caught = fit(make_trainer(K_LIGHTNING_STEPS + 1, [snapshot]), new_model(7), out)
+    assert any("holds no optimizer state" in m for m in checkpoint_warnings(caught))
+    for name, value in lightning_run.state_dict.items():
+        assert torch.equal(snapshot.params.get(name, snapshot.buffers.get(name)), value), name
+    assert snapshot.state == {} and snapshot.global_step == K_LIGHTNING_STEPS
+    assert snapshot.param_groups[0]["lr"] == lightning_run.optimizer.param_groups[0]["lr"]
+    loaded = LitNet.load_from_checkpoint(out)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in lightning_run.state_dict.items())

@@ -297,6 +297,30 @@ def test_epoch_boundary_resume_equals_uninterrupted_run(tmp_path: Any, val: bool
     assert_same_value(resumed.state_dict(), uninterrupted.state_dict(), "weights")
 
 
+@pytest.mark.parametrize("callback", ["OrtCheckpoint", "ModelCheckpoint"])
+def test_resume_from_a_save_at_validation_end(tmp_path: Any, callback: str) -> None:
+    """Saved at validation end, inside its epoch: resuming first draws a loader iterator that finishes that epoch.
+    OrtCheckpoint applies the random states again at on_train_start (exact); the plugin alone cannot (not exact)."""
+    from lightning_ort_ckpt import OrtCheckpoint
+
+    def checkpoints(dirpath: Any) -> pl.Callback:
+        kind = OrtCheckpoint if callback == "OrtCheckpoint" else ModelCheckpoint
+        return kind(dirpath, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=False)
+
+    pl.seed_everything(0)
+    uninterrupted = Net("adamw", dropout=0.3)
+    trainer(tmp_path, max_epochs=2, callbacks=[checkpoints(tmp_path / "full")]).fit(uninterrupted, **shuffled(True))
+    pl.seed_everything(123)
+    resumed = Net("adamw", dropout=0.3)
+    t = trainer(tmp_path, max_epochs=2, callbacks=[checkpoints(tmp_path / "resumed")])
+    t.fit(resumed, **shuffled(True), ckpt_path=tmp_path / "full" / "epoch=0-step=4.ckpt")
+    assert t.global_step == 8
+    if callback == "OrtCheckpoint":
+        assert_same_value(resumed.state_dict(), uninterrupted.state_dict(), "weights")
+    else:
+        assert max_abs_diff(resumed.state_dict(), uninterrupted.state_dict()) > 0
+
+
 def test_native_epoch_boundary_resume_is_not_exact_without_our_rng_states(tmp_path: Any) -> None:
     """The control for the test above: it would catch a resume that ignored the random states."""
     pl.seed_everything(0)

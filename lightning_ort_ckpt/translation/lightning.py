@@ -183,10 +183,18 @@ def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str) -> dict[
 
 def _optimizer_from_ort(entry: dict[str, Any], ck: Checkpoint, source: values.TensorSource,
                         path: str) -> dict[str, Any]:
+    group = ck.optimizer_groups.get(entry["group"])
+    if group is None:
+        # saved by ORT without optimizer state (its default): the hyperparameters are here, the moments are not
+        warnings.warn(f"{path} holds no optimizer state (ONNX Runtime saves it only with "
+                      f"include_optimizer_state=True); the optimizer restarts with its saved hyperparameters",
+                      CheckpointWarning, stacklevel=4)
+        state = values.decode({**entry["state_dict"], "state": {}}, source)
+        state["state"] = {}
+        return state
     state = values.decode(entry["state_dict"], source)
     state["state"] = {int(k): v for k, v in state.get("state", {}).items()}
-    group = ck.optimizer_groups.get(entry["group"])
-    if group is not None and group.step != entry["ort_step"]:
+    if group.step != entry["ort_step"]:
         # ORT trained from this file and saved again: momentums and weights are ORT's, its step is newer than
         # torch's per-parameter step tensors, which ORT does not update.
         warnings.warn(f"{path}: ONNX Runtime trained {group.step - entry['ort_step']} more optimizer steps after "
