@@ -1,0 +1,297 @@
+"""A training process SIGKILLed in the middle of an ``OrtCheckpoint`` save, synchronous and asynchronous.
+
+A child Python process trains a model whose checkpoint (weights and AdamW state) takes a while to write, with
+``OrtCheckpoint(every_n_train_steps=1, save_last=True)``. Once its first checkpoint is durable (the child says so on
+stdout, after ``checkpoint_io.wait()``), the parent watches the directory and SIGKILLs the child while one of its
+hidden temporary files ``.<name>.<pid>.<hex>.tmp`` is growing. Afterwards:
+
+* every visible ``*.ckpt`` in the directory (``last.ckpt`` included) is a whole checkpoint that loads;
+* ``Trainer.fit(ckpt_path="last")`` with a fresh ``OrtCheckpoint`` on the same directory resumes from the newest
+  complete save (its step, its weights) and trains on;
+* the dead process's temporary files are gone once the resumed run has saved to the same names
+  (``atomic.wait_for_cleanup()``).
+
+Nothing is mocked. The model is kept small enough (a ~50 MB file per save, two saves per step) that a case stays
+within about 20 s on a slow two-core machine, most of which is the child importing torch and Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
+from lightning_ort_ckpt.format import atomic
+from lightning_ort_ckpt.plugin import read_lightning_checkpoint
+
+pytestmark = [
+    pytest.mark.filterwarnings("error::lightning_ort_ckpt.errors.CheckpointWarning"),
+    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
+    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
+    pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty"),
+    pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended"),
+]
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+WIDTH, LAYERS = 1024, 4  # 4 x 4.2 M float32 parameters: 16.8 MB of weights, ~50 MB per file with AdamW state
+CHILD_MAX_STEPS = 8  # the child is killed long before (at its second or third step)
+
+
+# -- model and data (the child imports these) ---------------------------------------------------------------------
+class Big(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, WIDTH, generator=g), torch.randn(64, WIDTH, generator=g))
+    return DataLoader(data, batch_size=4)  # 16 batches: the child never reaches the end of the epoch
+
+
+def make_trainer(callbacks: list[pl.Callback], max_steps: int) -> pl.Trainer:
+    return pl.Trainer(max_steps=max_steps, callbacks=callbacks, accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+
+
+# OrtCheckpoint arguments besides dirpath, every_n_train_steps=1 and save_last=True; which of the child's saves after
+# its first durable one is killed (1: step 2's file, 2: last.ckpt at step 2, 3: step 3's file, 4: last.ckpt at step
+# 3); the file being written then, and the whole files (with their steps) the kill must leave.
+CASES = {
+    "sync-step_file": ({"save_top_k": -1}, 1, "epoch=0-step=2.ckpt",
+                       {"epoch=0-step=1.ckpt": 1, "last.ckpt": 1}),
+    "sync-last": ({"save_top_k": -1}, 2, "last.ckpt",
+                  {"epoch=0-step=1.ckpt": 1, "epoch=0-step=2.ckpt": 2, "last.ckpt": 1}),
+    "async-step_file": ({"save_top_k": -1, "async_save": True}, 1, "epoch=0-step=2.ckpt",
+                        {"epoch=0-step=1.ckpt": 1, "last.ckpt": 1}),
+    # retention: each step's file replaces the one before (save_top_k=1), or the oldest of three goes (keep_newest=2);
+    # the deletion is queued behind the new file's write, and the kill comes during last.ckpt at step 3, after it
+    "async-top_k_1-last": ({"save_top_k": 1, "async_save": True}, 4, "last.ckpt",
+                           {"epoch=0-step=3.ckpt": 3, "last.ckpt": 2}),
+    "async-keep_newest_2-last": ({"keep_newest": 2, "async_save": True}, 4, "last.ckpt",
+                                 {"epoch=0-step=2.ckpt": 2, "epoch=0-step=3.ckpt": 3, "last.ckpt": 2}),
+}
+
+
+class DurableMarker(pl.Callback):
+    """Prints ``durable <step>`` once the checkpoints of ``step`` are on disk.
+
+    Lightning runs checkpoint callbacks after all others, so at the end of step 2 this runs before step 2's save
+    and after step 1's (which, for async saving, ``wait()`` makes durable). It waits only once: later saves stay
+    asynchronous.
+    """
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            trainer.strategy.checkpoint_io.wait()
+            print(f"durable {trainer.global_step - 1}", flush=True)
+
+
+_CHILD = f"""
+import sys
+sys.path.insert(0, {TESTS_DIR!r})
+from test_callback_crash import CASES, CHILD_MAX_STEPS, Big, DurableMarker, loader, make_trainer
+from lightning_ort_ckpt import OrtCheckpoint
+dirpath, case = sys.argv[1], sys.argv[2]
+callback = OrtCheckpoint(dirpath, every_n_train_steps=1, save_last=True, **CASES[case][0])
+make_trainer([DurableMarker(), callback], CHILD_MAX_STEPS).fit(Big(), loader())
+print("finished", flush=True)
+"""
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+def visible_checkpoints(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.endswith(".ckpt") and not p.name.startswith("."))
+
+
+def leftovers(directory: Path, pid: int | None = None) -> list[str]:
+    """Temporary, retired and journal files (of process ``pid`` if given)."""
+    names = [n for n in os.listdir(directory) if n.endswith((".tmp", ".old", atomic.JOURNAL_SUFFIX))]
+    return sorted(n for n in names if pid is None or f".{pid}." in n)
+
+
+def kill_while_saving(proc: subprocess.Popen, directory: Path, nth: int, timeout: float = 60) -> tuple[str, int]:
+    """SIGKILL ``proc`` as soon as the ``nth`` temporary checkpoint file it creates is seen growing.
+
+    Returns the checkpoint name that file was for, and its size when the kill was sent.
+    """
+    tmp_re = re.compile(rf"^\.(.+\.ckpt(?:\.data)?)\.{proc.pid}\.[0-9a-f]+\.tmp$")
+    seen: dict[str, int] = {}  # temporary files in the order they appeared, with their last size
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        for entry in os.scandir(directory):
+            m = tmp_re.match(entry.name)
+            if not m:
+                continue
+            try:
+                size = entry.stat().st_size
+            except FileNotFoundError:  # committed (renamed) in the meantime
+                continue
+            if entry.name in seen and list(seen).index(entry.name) == nth - 1 and seen[entry.name] < size:
+                proc.send_signal(signal.SIGKILL)
+                return m.group(1), size
+            seen[entry.name] = size
+        time.sleep(0.0005)
+    proc.kill()
+    out, _ = proc.communicate()
+    pytest.fail(f"no save of the child was seen in progress (seen: {seen}); child output:\n{out}")
+
+
+def step_of(path: Path) -> int:
+    return read_lightning_checkpoint(path)["global_step"]
+
+
+class StartProbe(pl.Callback):
+    """Records the step and weights the resumed run starts from."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step
+        self.ckpt_path = trainer.ckpt_path
+        self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+# -- the test -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_sigkill_during_callback_save(tmp_path: Path, case: str) -> None:
+    kwargs, nth, killed_name, whole = CASES[case]
+    dirpath = tmp_path / "ckpts"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    proc = subprocess.Popen([sys.executable, str(script), str(dirpath), case], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+    try:
+        lines = []
+        for line in proc.stdout:  # the child's own output until its first checkpoint is durable
+            lines.append(line)
+            if line.startswith("durable "):
+                break
+        else:
+            proc.wait()
+            pytest.fail("the child ended before its first checkpoint was durable:\n" + "".join(lines))
+        killed = kill_while_saving(proc, dirpath, nth)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, "".join(lines) + out
+    assert "finished" not in out
+
+    # The kill left its temporary file behind; every visible checkpoint is whole.
+    dead_files = leftovers(dirpath, proc.pid)
+    assert any(n.endswith(".tmp") for n in dead_files), (killed, os.listdir(dirpath))
+    files = visible_checkpoints(dirpath)
+    steps, weights = {}, {}
+    for path in files:
+        load_checkpoint(path)  # every tensor read back, sizes checked against the file
+        checkpoint = read_lightning_checkpoint(path)
+        steps[path.name], weights[path.name] = checkpoint["global_step"], checkpoint["state_dict"]
+    print(f"killed while writing {killed[0]} ({killed[1]:,} bytes); whole files: {steps}")
+    assert killed[0] == killed_name, killed
+    assert steps == whole, os.listdir(dirpath)  # nothing lost, nothing deleted too early or left undeleted
+    assert not (dirpath / "last.ckpt").is_symlink()
+    newest = max(steps.values())
+
+    # Resume with a fresh callback on the same directory. Saving the next step (and last.ckpt) again rewrites the
+    # names the dead process was writing, which sweeps its leftovers.
+    probe = StartProbe()
+    callback = OrtCheckpoint(dirpath, every_n_train_steps=1, save_last=True, **kwargs)
+    trainer = make_trainer([probe, callback], max_steps=newest + 1)
+    trainer.fit(Big(), loader(), ckpt_path="last")
+    resumed_from = Path(probe.ckpt_path)
+    assert resumed_from.name in steps, (resumed_from, steps)
+    assert probe.step == steps[resumed_from.name] == newest, (probe.step, resumed_from, steps)
+    saved_weights = weights[resumed_from.name]  # as it was before the resumed run rewrote last.ckpt
+    assert saved_weights.keys() == probe.weights.keys()
+    for k, v in saved_weights.items():
+        assert torch.equal(v, probe.weights[k]), k
+    assert trainer.global_step == newest + 1
+
+    atomic.wait_for_cleanup()
+    for path in visible_checkpoints(dirpath):
+        load_checkpoint(path)
+    assert step_of(dirpath / "last.ckpt") == newest + 1
+    assert (dirpath / f"epoch=0-step={newest + 1}.ckpt").exists()
+    stale = leftovers(dirpath)
+    orphans = orphaned_retired_files(dirpath, proc.pid)
+    assert [n for n in stale if n not in orphans] == [], os.listdir(dirpath)  # temporary files all swept
+    if orphans:  # the kill came between a deletion's rename and its unlink (a race; see the test below)
+        pytest.xfail(f"library bug (test_retired_file_of_a_deleted_checkpoint_is_swept): {orphans} stay forever")
+
+
+def orphaned_retired_files(directory: Path, pid: int) -> list[str]:
+    """Retired files ``.<name>.<pid>.<hex>.old`` of process ``pid`` whose checkpoint ``name`` is gone."""
+    pattern = re.compile(rf"^\.(.+)\.{pid}\.[0-9a-f]+\.old$")
+    return sorted(n for n in os.listdir(directory)
+                  if (m := pattern.match(n)) and not (directory / m.group(1)).exists())
+
+
+_KILL_BETWEEN_RENAME_AND_UNLINK = f"""
+import os, re, signal, sys
+sys.path.insert(0, {TESTS_DIR!r})
+from test_callback_crash import CHILD_MAX_STEPS, Big, loader, make_trainer
+from lightning_ort_ckpt import OrtCheckpoint
+from lightning_ort_ckpt.format import atomic
+real_put = atomic._UNLINKER.put
+
+def put(path):  # the deletion of a rotated-out checkpoint: renamed to its trash name, not yet unlinked
+    if re.match(r"^\\.epoch=.*\\.old$", os.path.basename(path)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_put(path)
+
+atomic._UNLINKER.put = put
+callback = OrtCheckpoint(sys.argv[1], every_n_train_steps=1, save_top_k=1)
+make_trainer([callback], CHILD_MAX_STEPS).fit(Big(), loader())
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="library bug: a process killed between the rename of a deleted checkpoint "
+                   "(atomic.remove: os.replace to .<name>.<pid>.<hex>.old) and its unlink on the background unlinker "
+                   "leaves that full-size file forever: atomic._sweep_stale only sweeps leftovers of the name being "
+                   "saved, and a checkpoint name that rotation deleted is never saved again")
+def test_retired_file_of_a_deleted_checkpoint_is_swept(tmp_path: Path) -> None:
+    """save_top_k=1: at step 2 the step-1 file is deleted, and the process dies right after renaming it away.
+    The resumed run (steps 3 and 4, deleting steps 2 and 3 in turn) should leave nothing of the dead process."""
+    dirpath = tmp_path / "ckpts"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_KILL_BETWEEN_RENAME_AND_UNLINK))
+    proc = subprocess.Popen([sys.executable, str(script), str(dirpath)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, out
+    assert sorted(p.name for p in visible_checkpoints(dirpath)) == ["epoch=0-step=2.ckpt"]
+    assert orphaned_retired_files(dirpath, proc.pid) != [], os.listdir(dirpath)  # the file being deleted
+
+    callback = OrtCheckpoint(dirpath, every_n_train_steps=1, save_top_k=1)
+    trainer = make_trainer([callback], max_steps=4)
+    trainer.fit(Big(), loader(), ckpt_path="last")
+    assert trainer.global_step == 4
+    atomic.wait_for_cleanup()
+    assert [p.name for p in visible_checkpoints(dirpath)] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert leftovers(dirpath) == [], os.listdir(dirpath)
