@@ -108,6 +108,8 @@ class OrtCheckpointMixin:
         self._to_delete: set[str] = set()  # files waiting until nothing protects them
         self._last_unranked = ""
         self._waiting_step: int | None = None  # a scheduled save waiting for the value computed at this step
+        self._restored_monitor = False  # the value came with the checkpoint: stale until this run computes one
+        self._link_target: str | None = None  # what last.ckpt points to once queued work is done
         self._in_batch_end = False
         self._monitor_value: Any = None
         self._monitor_step: int | None = None
@@ -173,9 +175,10 @@ class OrtCheckpointMixin:
         value = trainer.callback_metrics.get(self.monitor)
         if value is not None and value is not self._monitor_value:
             self._monitor_value, self._monitor_step = value, trainer.global_step
+            self._restored_monitor = False
 
     def _fresh(self, trainer: Any) -> bool:
-        return self._monitor_step == trainer.global_step
+        return self._monitor_step == trainer.global_step and not self._restored_monitor
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         self._note_monitor(trainer)
@@ -209,6 +212,14 @@ class OrtCheckpointMixin:
             if self._last_global_step_saved == trainer.global_step:  # type: ignore[attr-defined]
                 self._save_last_checkpoint(trainer, candidates)  # type: ignore[attr-defined]
 
+    def _monitor_candidates(self, trainer: Any) -> dict[str, Any]:
+        """Lightning's metrics; after a resume, the monitored value the run had when it was saved (stale), until
+        validation computes it again, so that scheduled saves happen as in the uninterrupted run."""
+        candidates = super()._monitor_candidates(trainer)  # type: ignore[misc]
+        if self.monitor is not None and self.monitor not in candidates and self._monitor_value is not None:
+            candidates[self.monitor] = self._monitor_value
+        return candidates
+
     def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
         """Lightning's top-k save, called by every trigger. A fresh monitored value is ranked as ModelCheckpoint
         ranks it; a stale one is never ranked: the scheduled save is written unranked, or waits for the value when
@@ -240,16 +251,22 @@ class OrtCheckpointMixin:
 
     @staticmethod
     def _validation_follows(trainer: Any) -> bool:
-        """Whether validation runs right after this (last) batch of the epoch, as ModelCheckpoint itself judges."""
-        if not getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False):
-            return False
-        if not getattr(trainer, "enable_validation", False):
-            return False
+        """Whether validation runs right after this training batch, at this same step.
+
+        Asks the epoch loop's own test (Lightning calls it right after this hook; it reads the batch index and
+        whether this is the last batch, both already final here). Validation by elapsed time is judged a moment
+        early, so a save may then be written unranked just before a value it could have waited for.
+        """
         batches = trainer.num_val_batches
         if not (sum(batches) if isinstance(batches, list) else batches):
             return False
-        every = trainer.check_val_every_n_epoch
-        return every is None or (trainer.current_epoch + 1) % every == 0
+        loop = trainer.fit_loop
+        try:
+            return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
+        except AttributeError:  # another Lightning version: ModelCheckpoint's own rule, the epoch's last batch
+            every = trainer.check_val_every_n_epoch
+            return bool(getattr(loop.epoch_loop.batch_progress, "is_last_batch", False)) and (
+                every is None or (trainer.current_epoch + 1) % every == 0)
 
     # -- saving, retention, links -------------------------------------------------------------------------------
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -270,8 +287,10 @@ class OrtCheckpointMixin:
 
     def _retain(self, trainer: Any) -> None:
         keep = set(self.best_k_models) | {self.best_model_path, self.last_model_path}  # type: ignore[attr-defined]
-        if self.last_model_path and os.path.islink(self.last_model_path):  # never leave "last" dangling
-            keep.add(os.path.join(os.path.dirname(self.last_model_path), os.readlink(self.last_model_path)))
+        if self._link_target is None and self.last_model_path and os.path.islink(self.last_model_path):
+            self._link_target = os.path.join(os.path.dirname(self.last_model_path), os.readlink(self.last_model_path))
+        if self._link_target:  # never leave "last" dangling: its target goes only once the link has moved on
+            keep.add(self._link_target)
         if trainer.ckpt_path:
             keep.add(os.fspath(trainer.ckpt_path))
         if self.keep_newest is not None:
@@ -288,7 +307,8 @@ class OrtCheckpointMixin:
         """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable."""
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             assert self._io is not None
-            self._io.link(filepath, linkpath)
+            self._io.link(filepath, linkpath)  # queued behind the save of filepath when saving asynchronously
+            self._link_target = filepath
         trainer.strategy.barrier()
 
     # -- resume -------------------------------------------------------------------------------------------------
@@ -309,11 +329,14 @@ class OrtCheckpointMixin:
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,  # type: ignore[misc]
-                "saved": list(self._saved), "last_unranked": self._last_unranked}
+                "saved": list(self._saved), "last_unranked": self._last_unranked,
+                "monitor_value": self._monitor_value, "monitor_step": self._monitor_step}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
         self.current_score_step = state_dict.get("current_score_step")
+        self._monitor_value, self._monitor_step = state_dict.get("monitor_value"), state_dict.get("monitor_step")
+        self._restored_monitor = self._monitor_value is not None
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:
             self._saved = [p for p in state_dict.get("saved", []) if os.path.exists(p)]
             self._last_unranked = state_dict.get("last_unranked", "")

@@ -8,7 +8,7 @@ hidden temporary files ``.<name>.<pid>.<hex>.tmp`` is growing. Afterwards:
 * every visible ``*.ckpt`` in the directory (``last.ckpt`` included) is a whole checkpoint that loads;
 * ``Trainer.fit(ckpt_path="last")`` with a fresh ``OrtCheckpoint`` on the same directory resumes from the newest
   complete save (its step, its weights) and trains on;
-* the dead process's temporary files are gone once the resumed run has saved to the same names
+* the dead process's temporary and retired files are gone once the resumed run has saved to the same directory
   (``atomic.wait_for_cleanup()``).
 
 Nothing is mocked. The model is kept small enough (a ~50 MB file per save, two saves per step) that a case stays
@@ -233,11 +233,7 @@ def test_sigkill_during_callback_save(tmp_path: Path, case: str) -> None:
         load_checkpoint(path)
     assert step_of(dirpath / "last.ckpt") == newest + 1
     assert (dirpath / f"epoch=0-step={newest + 1}.ckpt").exists()
-    stale = leftovers(dirpath)
-    orphans = orphaned_retired_files(dirpath, proc.pid)
-    assert [n for n in stale if n not in orphans] == [], os.listdir(dirpath)  # temporary files all swept
-    if orphans:  # the kill came between a deletion's rename and its unlink (a race; see the test below)
-        pytest.xfail(f"library bug (test_retired_file_of_a_deleted_checkpoint_is_swept): {orphans} stay forever")
+    assert leftovers(dirpath) == [], os.listdir(dirpath)  # temporary and retired files of the dead run all swept
 
 
 def orphaned_retired_files(directory: Path, pid: int) -> list[str]:
@@ -266,10 +262,6 @@ make_trainer([callback], CHILD_MAX_STEPS).fit(Big(), loader())
 """
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: a process killed between the rename of a deleted checkpoint "
-                   "(atomic.remove: os.replace to .<name>.<pid>.<hex>.old) and its unlink on the background unlinker "
-                   "leaves that full-size file forever: atomic._sweep_stale only sweeps leftovers of the name being "
-                   "saved, and a checkpoint name that rotation deleted is never saved again")
 def test_retired_file_of_a_deleted_checkpoint_is_swept(tmp_path: Path) -> None:
     """save_top_k=1: at step 2 the step-1 file is deleted, and the process dies right after renaming it away.
     The resumed run (steps 3 and 4, deleting steps 2 and 3 in turn) should leave nothing of the dead process."""

@@ -12,9 +12,8 @@ resumes the interrupted run from ``ckpt_path="last"`` to step 16. Checked:
   a resume at the epoch boundary), and the callback's own state (best score and path, top-k, last path, the step of
   the ranked score, the unranked files it keeps) survives the resume and ends as in the uninterrupted run, with the
   same files in the directory;
-* strict xfails (library behaviour found here): a fresh mid-epoch validation value is never ranked when the step
-  trigger saved first at that step; a resumed run skips the scheduled save at step 10 that the uninterrupted run
-  writes.
+* every validation value is ranked, also a mid-epoch one at a step where the step trigger saved first; the resumed
+  run saves on the same schedule as the uninterrupted run (its step-10 save happens too).
 
 ``OrtCheckpoint(every_n_train_steps=2, monitor="val_loss", save_last=True)`` with validation every 4 steps: step 2
 has no value yet (nothing saved); saves at 6, 10, 14 carry a stale ``val_loss`` and are kept unranked (the newest
@@ -300,13 +299,6 @@ def test_resumed_directory_equals_uninterrupted(runs: Path) -> None:
     check_run(runs / "half", resumed, full[0]["val_loss"], STEPS, weights(runs, "half-resumed"))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: a mid-epoch validation (val_check_interval=4, every_n_train_steps=2: step 12) at a step where "
-    "the step trigger saves first: OrtCheckpoint._validation_follows only knows validation after the epoch's last "
-    "batch, so the batch-end save is written unranked with the stale step-8 value, and the fresh step-12 value is "
-    "then never ranked (_save_on_fresh_value bails out on _should_skip_saving_checkpoint). The best val_loss so far "
-    "is lost, best_model_path stays the step-8 file and the step-12 file is deleted at step 14 as an old unranked "
-    "save"))
 def test_every_validation_value_is_ranked(runs: Path) -> None:
     full = records(runs, "full")[0]
     val_loss = {int(k): v for k, v in full["val_loss"].items()}
@@ -317,11 +309,6 @@ def test_every_validation_value_is_ranked(runs: Path) -> None:
             assert best_at[step] == step_name(best), (step, best_at[step], val_loss)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after the resume, val_loss is not in callback_metrics until the next validation (step 12), and the step "
-    "trigger's save at step 10 is skipped (ModelCheckpoint defers a save whose monitored key is missing, and "
-    "OrtCheckpoint inherits that) where the uninterrupted run writes it unranked: a crash between steps 10 and 12 "
-    "of a resumed run loses two more steps"))
 def test_resumed_run_saves_on_the_same_schedule(runs: Path) -> None:
     def step_files(record: dict[str, Any]) -> list[str]:
         return [p for m, p in record["io_calls"] if m == "save_checkpoint" and p != "last.ckpt"]

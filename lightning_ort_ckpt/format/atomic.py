@@ -49,7 +49,7 @@ def atomic_save(path: str, *, with_data: bool, required_bytes: int) -> Iterator[
     directory, base = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     recover(path)
-    _sweep_stale(directory, base)
+    _sweep_stale(directory)
     free = shutil.disk_usage(directory).free
     if free < required_bytes:
         raise CheckpointSaveError(
@@ -156,7 +156,7 @@ def _trash_name(path: str) -> str:
 
 
 def _write_durably(path: str, data: bytes, directory: str) -> None:
-    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     with open(tmp, "xb") as f:
         f.write(data)
         f.flush()
@@ -173,15 +173,17 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _sweep_stale(directory: str, base: str) -> None:
-    """Queue for deletion the leftovers of saves to this path by processes that no longer run."""
-    pattern = re.compile(rf"^(?:\.{re.escape(base)}(?:{re.escape(DATA_SUFFIX)})?|{re.escape(base + JOURNAL_SUFFIX)})"
-                         rf"\.(\d+)\.[0-9a-f]+\.(?:tmp|old)$")  # the last: a journal killed before its rename
+def _sweep_stale(directory: str) -> None:
+    """Queue for deletion what saves by processes that no longer run left in ``directory``: temporary files of
+    interrupted saves, and replaced or deleted checkpoints (``.<name>.<pid>.<token>.old``) killed before unlinking."""
     with os.scandir(directory) as entries:
         for entry in entries:
-            m = pattern.match(entry.name)
+            m = _LEFTOVER.match(entry.name)
             if m and not _alive(int(m.group(1))):
                 _UNLINKER.put(entry.path)
+
+
+_LEFTOVER = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.(?:tmp|old)$")
 
 
 def _alive(pid: int) -> bool:
