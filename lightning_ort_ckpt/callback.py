@@ -111,6 +111,7 @@ class OrtCheckpointMixin:
         self._restored_monitor = False  # the value came with the checkpoint: stale until this run computes one
         self._link_target: str | None = None  # what last.ckpt points to once queued work is done
         self._in_batch_end = False
+        self._resume_rng: tuple[Any, Any] = (None, None)  # random states and epoch of the checkpoint resumed from
         self._monitor_value: Any = None
         self._monitor_step: int | None = None
         self._io: OrtCheckpointIO | None = None
@@ -144,8 +145,7 @@ class OrtCheckpointMixin:
         A resume inside the saved epoch first draws a DataLoader iterator that finishes that epoch (Lightning's
         ``FitLoop.setup_data``); the uninterrupted run drew it before the save. Restoring again here undoes that.
         """
-        states, epoch = getattr(self, "_resume_rng", (None, None))
-        self._resume_rng = (None, None)
+        (states, epoch), self._resume_rng = self._resume_rng, (None, None)
         if states is not None and trainer.current_epoch == epoch:
             rng.restore(states)
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]

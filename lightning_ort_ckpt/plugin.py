@@ -11,10 +11,12 @@ optimizers (:meth:`OrtCheckpointIO._owner_strategy`). Where there is none (the p
 ``Trainer``), it saves every ``state_dict`` entry as frozen and optimizer state under index names ``param<i>``,
 with a warning: the file still resumes exactly in Lightning, but ORT cannot train from it.
 
-With ``async_save=True`` a save copies the tensors to fresh CPU memory (so training may change its own at once) and
-returns; one background thread then writes files, deletes replaced ones and makes links in the order they were
-asked for, so nothing is deleted or linked before the file it depends on is durable. An error there is raised at
-the next call into the plugin, or at the end of fit (:meth:`teardown`).
+With ``async_save=True`` a save copies the tensors to CPU memory of its own, so training may change its own at once,
+and returns. The copy goes into the previous save's buffers once that save is written (a memcpy instead of a page
+fault per page): the plugin keeps one checkpoint's worth of memory between saves. One background thread writes
+files, deletes replaced ones and makes links in the order they were asked for, so nothing is deleted or linked
+before the file it depends on is durable. An error there is raised at the next call into the plugin, or at the end
+of fit (:meth:`teardown`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
         self.ort_compatible = ort_compatible
         self.async_save = async_save
         self._worker: _Worker | None = None
+        self._buffers: dict[str, torch.Tensor] = {}  # staging memory of the last asynchronous save, for reuse
         self._owner: weakref.ref[Any] | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
@@ -82,7 +85,7 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
                           "resumes it exactly; ORT can load it but not train from it.", CheckpointWarning, stacklevel=2)
         ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=self.ort_compatible)
         if self.async_save:
-            self._run_later(save_checkpoint, _staged(ck), path, external_data=self.external_data)
+            self._run_later(save_checkpoint, self._stage(ck), path, external_data=self.external_data)
         else:
             save_checkpoint(ck, path, external_data=self.external_data)
 
@@ -124,6 +127,32 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
     def teardown(self) -> None:
         """Lightning calls this at the end of fit: every file is durable when fit returns."""
         self.wait()
+
+    def _stage(self, ck: Checkpoint) -> Checkpoint:
+        """``ck`` with every tensor copied off training's memory, into the buffers of the previous save when it is
+        done with them: a copy into memory already in use costs a memcpy, into fresh memory a page fault per page."""
+        idle = self._worker is None or self._worker.idle()
+        buffers = self._buffers if idle else {}
+        self._buffers = {}
+
+        def copy_(where: str, t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return copy.deepcopy(t)
+            buffer = buffers.get(where)
+            if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+                buffer = torch.empty(t.shape, dtype=t.dtype)
+            buffer.copy_(t.detach())
+            self._buffers[where] = buffer
+            return buffer
+
+        return Checkpoint(
+            trainable={n: copy_(n, t) for n, t in ck.trainable.items()},
+            frozen={n: copy_(n, t) for n, t in ck.frozen.items()},
+            optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
+                                                {p: {m: copy_(f"{g}/{p}/{m}", t) for m, t in ms.items()}
+                                                 for p, ms in grp.states.items()})
+                              for g, grp in ck.optimizer_groups.items()},
+            properties=dict(ck.properties), nominal=ck.nominal)
 
     def _run_later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         if self._worker is None:
@@ -185,6 +214,10 @@ class _Worker:
     def join(self) -> None:
         self._queue.join()
 
+    def idle(self) -> bool:
+        """Nothing queued or running: the buffers of earlier saves are free again."""
+        return self._queue.unfinished_tasks == 0
+
     def take_error(self) -> BaseException | None:
         error, self._error = self._error, None
         return error
@@ -199,21 +232,6 @@ class _Worker:
                 self._error = e
             finally:
                 self._queue.task_done()
-
-
-def _staged(ck: Checkpoint) -> Checkpoint:
-    """A copy whose tensors live in fresh CPU memory, so training can go on changing its own."""
-
-    def copy_(t: Any) -> Any:
-        return t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else copy.deepcopy(t)
-
-    return Checkpoint(
-        trainable={n: copy_(t) for n, t in ck.trainable.items()},
-        frozen={n: copy_(t) for n, t in ck.frozen.items()},
-        optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
-                                            {p: {m: copy_(t) for m, t in ms.items()} for p, ms in grp.states.items()})
-                          for g, grp in ck.optimizer_groups.items()},
-        properties=dict(ck.properties), nominal=ck.nominal)
 
 
 def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:

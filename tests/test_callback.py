@@ -28,15 +28,6 @@ from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import atomic
 from ort_reference import ort_api
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
-    pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty"),
-    pytest.mark.filterwarnings("ignore:.*The dirpath has changed from"),
-    pytest.mark.filterwarnings("ignore:.*The number of training batches .* is smaller than the logging interval"),
-    pytest.mark.filterwarnings("ignore:.*`weights_only` was not set"),
-    pytest.mark.filterwarnings("ignore:.*You defined a `validation_step` but have no `val_dataloader`"),
-    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
-]
 
 STEPS_PER_EPOCH = 4
 ORT_MAGIC = b"ODTC"

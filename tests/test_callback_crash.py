@@ -39,10 +39,6 @@ from lightning_ort_ckpt.plugin import read_lightning_checkpoint
 
 pytestmark = [
     pytest.mark.filterwarnings("error::lightning_ort_ckpt.errors.CheckpointWarning"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
-    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
-    pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty"),
-    pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended"),
 ]
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -43,14 +43,6 @@ from ort_reference import assert_same_tensor
 pytestmark = [
     # any reduced save or restore our plugin reports is a failure here, unless a test expects it (pytest.warns)
     pytest.mark.filterwarnings("error::lightning_ort_ckpt.errors.CheckpointWarning"),
-    pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning"),
-    pytest.mark.filterwarnings("ignore:.*resuming from a checkpoint that ended before the epoch ended"),
-    pytest.mark.filterwarnings("ignore:.*`weights_only` was not set"),
-    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
-    pytest.mark.filterwarnings("ignore:.*is an instance of `nn.Module` and is already saved"),
-    pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty"),
-    pytest.mark.filterwarnings("ignore:.*You defined a `validation_step` but have no `val_dataloader`"),
-    pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint need to be provided"),
 ]
 
 K = 6  # steps before the save in the native-equivalence tests; the resume trains to 2 * K

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ort_ckpt import CheckpointError
+from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
 from lightning_ort_ckpt.format import (Checkpoint, DataType, OptimizerGroup, load_checkpoint, open_checkpoint,
                                        save_checkpoint)
 from lightning_ort_ckpt.format.atomic import wait_for_cleanup
@@ -592,3 +592,19 @@ def test_save_is_deterministic_and_independent_of_insertion_order(tmp_path):
         assert file_bytes(p) == file_bytes(p + "2")
         if mode != "never":
             assert file_bytes(p + ".data") == file_bytes(p + "2.data")
+
+
+def test_auto_external_data_past_two_gib_plans_without_allocating():
+    """Planning works on sizes only: a 3.6 GB AdamW-like state (broadcast arrays, no memory behind them) needs its
+    parameters and then its momentums in the .data file; "never" refuses, "auto" picks that layout."""
+    from lightning_ort_ckpt.format import writer
+
+    big = np.broadcast_to(np.zeros(1, np.float32), (300_000_000,))  # 1.2 GB each, nothing allocated
+    ck = Checkpoint(trainable={"w": big},
+                    optimizer_groups={"group0": OptimizerGroup(1, 1e-3, {"w": {"momentum0": big, "momentum1": big}})})
+    with pytest.raises(CheckpointSaveError, match="2 GiB FlatBuffers limit"):
+        writer._plan_for_mode(ck, writer._Tensors("x.ckpt"), "never", "x.ckpt")
+    with pytest.raises(CheckpointSaveError, match="2 GiB FlatBuffers limit"):
+        writer._plan_for_mode(ck, writer._Tensors("x.ckpt"), "params", "x.ckpt")
+    plan = writer._plan_for_mode(ck, writer._Tensors("x.ckpt"), "auto", "x.ckpt")
+    assert plan.size < 4096 and plan.data_size == 3 * 1_200_000_000

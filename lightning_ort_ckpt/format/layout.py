@@ -16,6 +16,10 @@ MAX_FLATBUFFER_SIZE = 2**31 - 1
 """FlatBuffers offsets are signed 32-bit: no buffer may reach 2 GiB."""
 
 
+class LayoutTooLarge(Exception):
+    """The buffer being planned passed ``MAX_FLATBUFFER_SIZE``; offsets would no longer fit its 32-bit fields."""
+
+
 class Blob(NamedTuple):
     """A placeholder for ``nbytes`` payload bytes that the writer supplies later, identified by ``key``."""
 
@@ -45,11 +49,16 @@ class LayoutBuilder:
     def _fill(self, n: int) -> None:
         if n:
             self._rev += bytes(n)
-            self.size += n
+            self._grow(n)
 
     def _push(self, data: bytes) -> None:
         self._rev += data[::-1]
-        self.size += len(data)
+        self._grow(len(data))
+
+    def _grow(self, n: int) -> None:
+        self.size += n
+        if self.size > MAX_FLATBUFFER_SIZE:
+            raise LayoutTooLarge(self.size)
 
     def _align(self, n: int) -> None:
         self._minalign = max(self._minalign, n)
@@ -86,7 +95,7 @@ class LayoutBuilder:
         if blob.nbytes:
             self._flush()
             self._done.append(blob)
-            self.size += blob.nbytes
+            self._grow(blob.nbytes)
         return self._end_vector(blob.nbytes)
 
     def offset_vector(self, offsets: list[int]) -> int:

@@ -65,10 +65,13 @@ class GroupInfo:
 class CheckpointReader:
     """An open ODTC checkpoint. Use as a context manager; tensors it returned stay valid after :meth:`close`."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, in_memory: bool = False) -> None:
+        """``in_memory=True`` reads the whole file (and its ``.data``) into memory at once instead of mapping it:
+        one sequential read, the fastest way to get every byte (``load_checkpoint`` uses it)."""
         self.path = os.fspath(path)
         atomic.recover(self.path)
-        self._data_mm: mmap.mmap | None = None
+        self._in_memory = in_memory
+        self._data_mm: Any = None
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not hang
         except (FileNotFoundError, NotADirectoryError):
@@ -84,7 +87,7 @@ class CheckpointReader:
                                              self.path)
             if st.st_size < 8:
                 raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {st.st_size} bytes", self.path)
-            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            self._mm = _read_whole(fd, st.st_size, self.path) if in_memory else mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
         self._parse()
@@ -142,30 +145,16 @@ class CheckpointReader:
         return array.view(dtype).reshape(info.shape)
 
     def load(self) -> Checkpoint:
-        """Everything, as a :class:`Checkpoint` of fresh torch tensors (every byte read, nothing left mapped)."""
-        import torch
+        """Everything, as a :class:`Checkpoint` of torch tensors in memory of their own (nothing left mapped).
 
-        fresh: dict[int, Any] = {}
-        todo = sorted(self.tensors(), key=lambda i: (i.storage, i.offset))
-        files = {"inline": self.path, "external": self.data_path}
-        reads: dict[str, list[tuple[int, np.ndarray]]] = {}  # per file: (offset, destination), by offset
-        for info in todo:
-            if info.storage == "strings":
-                fresh[id(info)] = self.numpy(info)
-                continue
-            if info.storage == "none":  # nominal: the name and dtype are all there is
-                fresh[id(info)] = torch.empty(0, dtype=info.dtype.to_torch())
-                continue
-            t = torch.empty(info.shape, dtype=self._checked_dtype(info).to_torch())
-            fresh[id(info)] = t
-            if info.nbytes:
-                reads.setdefault(info.storage, []).append((info.offset, t.reshape(-1).view(torch.uint8).numpy()))
-        for storage, parts in reads.items():  # "external" sorts before "inline": same file order as before
-            fd = os.open(files[storage], os.O_RDONLY)
-            try:
-                _pread_into(fd, parts, files[storage])
-            finally:
-                os.close(fd)
+        The file is read whole, in one sequential read (unless the reader already holds it: ``in_memory``), and
+        the tensors are views into that memory; int64/double tensors that ORT left only 4-aligned are copied.
+        """
+        if not self._in_memory:
+            with CheckpointReader(self.path, in_memory=True) as whole:
+                return whole.load()
+        fresh = {id(i): self.numpy(i) if i.storage == "strings" else self._empty(i) if i.storage == "none"
+                 else self.torch(i) for i in self.tensors()}
         return Checkpoint(
             trainable={n: fresh[id(i)] for n, i in self.trainable.items()},
             frozen={n: fresh[id(i)] for n, i in self.frozen.items()},
@@ -175,9 +164,16 @@ class CheckpointReader:
                               for g in self.optimizer_groups.values()},
             properties=dict(self.properties), nominal=self.nominal)
 
+    @staticmethod
+    def _empty(info: TensorInfo) -> Any:
+        """A nominal checkpoint's tensor: the dtype is all there is."""
+        import torch
+
+        return torch.empty(0, dtype=info.dtype.to_torch())
+
     def close(self) -> None:
         for mm in (self._mm, self._data_mm):
-            if mm is not None:
+            if isinstance(mm, mmap.mmap):
                 try:
                     mm.close()
                 except BufferError:  # tensors handed out still use the mapping; it goes away with them
@@ -346,12 +342,14 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"{info.kind} tensor {info.name!r} holds strings; use numpy()", self.path)
         return info.dtype
 
-    def _map_for(self, info: TensorInfo) -> mmap.mmap:
+    def _map_for(self, info: TensorInfo) -> Any:
         if info.storage == "inline":
             return self._mm
         if self._data_mm is None:
             with open(self.data_path, "rb") as f:
-                self._data_mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                size = os.fstat(f.fileno()).st_size
+                self._data_mm = (_read_whole(f.fileno(), size, self.data_path) if self._in_memory
+                                 else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
             if len(self._data_mm) < max(i.offset + i.nbytes for i in self._external):
                 raise self._fail(f"its external data file {self.data_path} shrank while it was open")
         return self._data_mm
@@ -367,8 +365,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read the whole checkpoint at ``path`` into fresh torch tensors."""
-    with CheckpointReader(path) as reader:
+    """Read the whole checkpoint at ``path`` into torch tensors in memory of their own (views into the file's bytes,
+    read in one sequential read: a tensor kept alive keeps that memory alive)."""
+    with CheckpointReader(path, in_memory=True) as reader:
         return reader.load()
 
 
@@ -376,47 +375,18 @@ _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
 
 
-_READ_GAP = 1 << 20  # metadata between two tensors up to this size is read through (into scratch), not skipped
-_READ_IOVECS = max(3, min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024))
-
-
-def _pread_into(fd: int, parts: list[tuple[int, np.ndarray]], path: str) -> None:
-    """Fill each ``(offset, array)`` of ``parts`` (sorted by offset) with the file's bytes at ``offset``.
-
-    Tensors that follow each other with only a small gap (FlatBuffers metadata, alignment padding) are read by one
-    ``preadv`` whose iovecs alternate between tensor memory and a scratch buffer for the gap bytes: one system call
-    per run of tensors rather than per tensor, and the kernel sees exactly the access pattern of a plain sequential
-    read of the file, so its read-ahead never has to decide whether a gap breaks the sequence. The gain is modest
-    (about a tenth of a cold 300 MB load; see docs/performance.md). Overlapping or far-apart parts start a new read,
-    so every array gets exactly its own bytes either way.
-    """
-    gaps = [b[0] - (a[0] + a[1].nbytes) for a, b in zip(parts, parts[1:])]
-    scratch = memoryview(bytearray(max([g for g in gaps if 0 < g <= _READ_GAP], default=0)))
-    i = 0
-    while i < len(parts):
-        offset, first = parts[i]
-        iov = [memoryview(first).cast("B")]
-        end = offset + first.nbytes
-        i += 1
-        while i < len(parts) and len(iov) + 2 <= _READ_IOVECS:
-            gap = parts[i][0] - end
-            if not 0 <= gap <= _READ_GAP:
-                break
-            if gap:
-                iov.append(scratch[:gap])
-            iov.append(memoryview(parts[i][1]).cast("B"))
-            end = parts[i][0] + parts[i][1].nbytes
-            i += 1
-        while iov:
-            n = os.preadv(fd, iov, offset)
-            if n == 0:
-                raise CorruptCheckpointError(f"file ended early at byte {offset:,}", path)
-            offset += n
-            while iov and n >= iov[0].nbytes:  # drop what was filled, keep the rest of a part-filled buffer
-                n -= iov[0].nbytes
-                iov.pop(0)
-            if n:
-                iov[0] = iov[0][n:]
+def _read_whole(fd: int, size: int, path: str) -> np.ndarray:
+    """The file's ``size`` bytes in fresh memory, read sequentially (read-ahead announced to the kernel)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    out = np.empty(size, dtype=np.uint8)
+    view, offset = memoryview(out), 0
+    while offset < size:
+        n = os.preadv(fd, [view[offset:]], offset)
+        if n == 0:
+            raise CorruptCheckpointError(f"file ended early at byte {offset:,} (it shrank while being read)", path)
+        offset += n
+    return out
 
 
 class _Table:
@@ -429,7 +399,7 @@ class _Table:
 class _Parser:
     """Bounds- and alignment-checked FlatBuffers access (the checks of flatbuffers' Verifier)."""
 
-    def __init__(self, buf: mmap.mmap, fail: Any) -> None:
+    def __init__(self, buf: Any, fail: Any) -> None:
         self.buf = buf
         self.size = len(buf)
         self.fail = fail

@@ -24,7 +24,7 @@ from ..errors import CheckpointSaveError
 from . import atomic
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue, Tensor
 from .dtypes import DataType, from_numpy, from_torch
-from .layout import MAX_FLATBUFFER_SIZE, Blob, LayoutBuilder, Piece
+from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -174,12 +174,13 @@ def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: 
         raise CheckpointSaveError(f"external_data must be one of {sorted(choices)}, not {mode!r}", path)
     for params_out, momentums_out in choices[mode]:
         tensors.entries.clear()
-        plan = _Planner(tensors, params_out, momentums_out).plan(ck)
-        if plan.size <= MAX_FLATBUFFER_SIZE:
-            return plan
+        try:
+            return _Planner(tensors, params_out, momentums_out).plan(ck)
+        except LayoutTooLarge:  # planning stops as soon as the buffer passes the limit: try the next layout
+            continue
     hint = "" if mode == "auto" else '; use external_data="auto"'
-    raise CheckpointSaveError(f"the checkpoint file would be {plan.size:,} bytes, over the 2 GiB FlatBuffers "
-                              f"limit, with external_data={mode!r}{hint}", path)
+    raise CheckpointSaveError(f"the checkpoint file would pass the 2 GiB FlatBuffers limit with "
+                              f"external_data={mode!r}{hint}", path)
 
 
 class _Planner:
