@@ -25,7 +25,8 @@ the ratio async stall / sync stall (target: under 10%).
 
 The breakdown times each part of an asynchronous save separately, on the same state, median of a few repetitions:
 Lightning's ``dump_checkpoint``, the plugin's owner lookup (``_owner_strategy``: ``gc.get_referrers`` over the
-heap), ``ModuleInfo.from_module``, RNG capture, ``to_ort``, and the staging copy (``_staged``: fresh CPU memory),
+heap), ``ModuleInfo.from_module``, RNG capture, ``to_ort``, and the staging copy (``OrtCheckpointIO._stage``: into
+the previous save's buffers once that save is written, else fresh CPU memory),
 next to a plain copy of the same tensors into fresh and into reused memory. ``--cprofile`` adds a cProfile of one
 async save call.
 
@@ -63,7 +64,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import rng
 from lightning_ort_ckpt.format import atomic
-from lightning_ort_ckpt.plugin import RNG_KEY, OrtCheckpointIO, _staged
+from lightning_ort_ckpt.plugin import RNG_KEY, OrtCheckpointIO
 from lightning_ort_ckpt.translation.lightning import ModuleInfo, to_ort
 
 WIDTH = 512
@@ -219,7 +220,7 @@ def breakdown(trainer: pl.Trainer, plugin: OrtCheckpointIO, reps: int) -> dict[s
         states = timed("rng.capture", rng.capture)
         ck = timed("to_ort", lambda: to_ort({**checkpoint, RNG_KEY: states}, info,
                                             ort_compatible=plugin.ort_compatible))
-        staged = timed("_staged (copy to fresh CPU memory)", lambda: _staged(ck))
+        staged = timed("plugin _stage (into the previous save's buffers)", lambda: plugin._stage(ck))
         del staged
         fresh = timed("baseline: plain copy into fresh memory", lambda: [t.detach().clone() for t in tensors])
         del fresh
