@@ -25,10 +25,11 @@ each child starts with the same free memory (the guest returns freed memory to i
 it is what dominates a multi-GB load here). The baselines are a raw ``write`` + ``fsync`` of as many bytes as our
 checkpoint from a touched buffer, and a raw ``readinto`` of that file into a freshly allocated ``np.empty`` buffer
 (fresh, as every loader allocates fresh memory). A second write baseline uses write-behind, as our writer does (each
-32 MiB step's writeback started as soon as it is written, the step before waited for and dropped from the page cache,
-then fsync): the floor for that technique. The "first touch" row allocates and touches the same number of
-bytes without any I/O, the floor under every load here. Methods run interleaved (one of each per repeat) and the
-tables show medians and the min-max spread.
+8 MiB step's writeback started as soon as it is written, the step before waited for and dropped from the page cache,
+then fsync): the floor for that technique. A second read baseline reads into memory advised for transparent huge
+pages, as our reader allocates it: the raw read minus most of the page faults. The "first touch" row allocates and
+touches the same number of bytes without any I/O, the floor under every load here. Methods run interleaved (one of
+each per repeat) and the tables show medians and the min-max spread.
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ PAGE = mmap.PAGESIZE
 SEED = 1234
 STEP = 1000
 SAVE_METHODS = ["raw", "raw_behind", "ours", "torch", "lightning", "safetensors", "ort"]
-BEHIND_BYTES = 32 << 20  # the write-behind step of the raw_behind baseline (the same as our writer's)
-LOAD_METHODS = ["raw", "alloc", "ours", "ours_lazy", "torch", "safetensors", "ort"]
+BEHIND_BYTES = 8 << 20  # the write-behind step of the raw_behind baseline (the same as our writer's)
+LOAD_METHODS = ["raw", "raw_huge", "alloc", "ours", "ours_lazy", "torch", "safetensors", "ort"]
 PAUSE_S = 2.0  # between children: the guest hands freed memory back to its host after about 2 s
 LABELS = {
     "raw": "raw write/read (baseline)",
-    "raw_behind": "(raw write with write-behind, 32 MiB steps)",
+    "raw_behind": "(raw write with write-behind, 8 MiB steps)",
+    "raw_huge": "(raw read into huge-page memory, as our reader allocates)",
     "alloc": "(first touch of fresh memory only, no I/O)",
     "ours": "ours save_/load_checkpoint",
     "ours_lazy": "ours open_checkpoint (lazy mmap)",
@@ -379,6 +381,7 @@ def child_load(method: str, path: str, cold: bool) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from lightning_ort_ckpt.format import load_checkpoint, open_checkpoint
+    from lightning_ort_ckpt.format.diskio import fresh_memory
 
     paths = files_of(method, path)
     if not paths or not os.path.getsize(paths[0]):
@@ -398,9 +401,9 @@ def child_load(method: str, path: str, cold: bool) -> dict[str, Any]:
             buf = np.empty(os.path.getsize(path), dtype=np.uint8)
             buf[::PAGE] = 1
             keep = [torch.from_numpy(buf)]
-        elif method == "raw":
+        elif method in ("raw", "raw_huge"):
             size = os.path.getsize(path)
-            buf = np.empty(size, dtype=np.uint8)
+            buf = np.empty(size, dtype=np.uint8) if method == "raw" else fresh_memory(size)
             with open(path, "rb", buffering=0) as f:
                 view, pos = memoryview(buf), 0
                 while pos < size:
@@ -585,7 +588,7 @@ def bench_size(n_million: float, repeat: int, root: str, log: Any) -> dict[str, 
             for c in ("cold", "warm"):
                 evict_all(directory)  # the child then evicts (cold) or reads (warm) its own files
                 time.sleep(PAUSE_S)
-                res = run_child(child_load, m, load_paths["raw" if m == "alloc" else m], c == "cold")
+                res = run_child(child_load, m, load_paths["raw" if m in ("alloc", "raw_huge") else m], c == "cold")
                 loads[(m, c)].append(res)
                 log(f"  load {m:12s} {c} rep {r + 1}/{repeat}: {fmt_s(res.get('seconds'))} s, peak extra "
                     f"{fmt_mb(res.get('peak_extra'))} MB, resident before {res.get('resident_before', 0):.3f}, "

@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import atomic
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
+from .diskio import read_whole
 from .dtypes import DataType
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
@@ -87,7 +88,8 @@ class CheckpointReader:
                                              self.path)
             if st.st_size < 8:
                 raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {st.st_size} bytes", self.path)
-            self._mm = _read_whole(fd, st.st_size, self.path) if in_memory else mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            self._mm = (read_whole(fd, st.st_size, self.path) if in_memory
+                        else mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
         finally:
             os.close(fd)
         self._parse()
@@ -348,7 +350,7 @@ class CheckpointReader:
         if self._data_mm is None:
             with open(self.data_path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                self._data_mm = (_read_whole(f.fileno(), size, self.data_path) if self._in_memory
+                self._data_mm = (read_whole(f.fileno(), size, self.data_path) if self._in_memory
                                  else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
             if len(self._data_mm) < max(i.offset + i.nbytes for i in self._external):
                 raise self._fail(f"its external data file {self.data_path} shrank while it was open")
@@ -373,20 +375,6 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
-
-
-def _read_whole(fd: int, size: int, path: str) -> np.ndarray:
-    """The file's ``size`` bytes in fresh memory, read sequentially (read-ahead announced to the kernel)."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    out = np.empty(size, dtype=np.uint8)
-    view, offset = memoryview(out), 0
-    while offset < size:
-        n = os.preadv(fd, [view[offset:]], offset)
-        if n == 0:
-            raise CorruptCheckpointError(f"file ended early at byte {offset:,} (it shrank while being read)", path)
-        offset += n
-    return out
 
 
 class _Table:

@@ -11,6 +11,7 @@ groups, parameters and momentums sorted, properties sorted across the bag, then 
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import struct
@@ -23,6 +24,7 @@ import numpy as np
 from ..errors import CheckpointSaveError
 from . import atomic
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue, Tensor
+from .diskio import BEHIND_BYTES, WriteBehind
 from .dtypes import DataType, from_numpy, from_torch
 from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
@@ -31,6 +33,7 @@ from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, Che
 ExternalData = Literal["auto", "never", "params", "all"]
 
 _STAGE_BYTES = 4 << 20  # small pieces are gathered up to this size before a write
+_IOV_MAX = 1024  # pieces per writev (POSIX's minimum IOV_MAX is 16; Linux, macOS and the BSDs allow 1024)
 _CHUNK_BYTES = 16 << 20  # bound on the copy of a non-contiguous or off-CPU tensor held at once
 _INT64 = (-(2**63), 2**63 - 1)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -347,98 +350,25 @@ def _stream_external(out: BinaryIO, external: list[tuple[int, int]], tensors: _T
     return writer.close()
 
 
-_BEHIND_BYTES = 32 << 20  # write-behind step: see _WriteBehind
-_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4  # sync_file_range(2) flags
-_libc_sync_file_range: Any = None  # looked up on first use; False where the C library has none
-
-
-class _WriteBehind:
-    """Sends a file that is being written sequentially to the disk as it grows, and drops from the page cache what
-    is already on the disk.
-
-    Plain writes dirty as many page-cache pages as the checkpoint has bytes, and leave all of it to the final fsync,
-    with nothing overlapping it. Those pages are fresh memory: on a VM that has handed its free memory back to the
-    host, each 4 KiB costs a fault to get it back (this dominated multi-GB saves on the benchmark machine), and they
-    push the training job's own cached files out of memory. Here every ``_BEHIND_BYTES`` step is sent to the disk as
-    soon as it is written, while the next step is copied; the step before it is then waited for and dropped. At most
-    two steps stay cached, the same pages are reused, and the fsync that follows has almost nothing left to write.
-    The file's bytes, the atomic commit and the fsync are unchanged; the one visible difference is that a checkpoint
-    just saved is not in the page cache for an immediate reload. A writeback error is raised here: waiting with
-    sync_file_range consumes the error report that the later fsync would otherwise have seen.
-    """
-
-    def __init__(self, fd: int, base: int, sync_file_range: Any) -> None:
-        self.fd, self.sfr = fd, sync_file_range
-        self.base = self.started = self.dropped = base  # file offsets: [.., started) sent, [.., dropped) dropped
-
-    @classmethod
-    def open(cls, out: BinaryIO) -> _WriteBehind | None:
-        """A write-behind for ``out``, or None when it is not a regular file or the system lacks the calls."""
-        import stat
-
-        global _libc_sync_file_range
-        if _libc_sync_file_range is None:
-            try:
-                import ctypes
-
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _libc_sync_file_range = fn
-            except (OSError, AttributeError):  # not Linux: plain writes
-                _libc_sync_file_range = False
-        if not _libc_sync_file_range or not hasattr(os, "posix_fadvise"):
-            return None
-        try:
-            fd = out.fileno()
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            base = os.lseek(fd, 0, os.SEEK_CUR)
-        except (AttributeError, OSError, ValueError):  # no file descriptor (io.UnsupportedOperation is both)
-            return None
-        return cls(fd, base, _libc_sync_file_range)
-
-    def advance(self, written: int) -> None:
-        """``written`` bytes have now been written since the start."""
-        end = self.base + written
-        if end - self.started < _BEHIND_BYTES:
-            return
-        self._sync(self.started, end - self.started, _SFR_WRITE)  # start this step's writeback, do not wait
-        if self.started > self.dropped:  # the step before: wait until it is on the disk, then uncache it
-            self._sync(self.dropped, self.started - self.dropped, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
-            if self.sfr is not None:
-                try:
-                    os.posix_fadvise(self.fd, self.dropped, self.started - self.dropped, os.POSIX_FADV_DONTNEED)
-                except OSError:  # advice only
-                    pass
-            self.dropped = self.started
-        self.started = end
-
-    def _sync(self, offset: int, nbytes: int, flags: int) -> None:
-        if self.sfr is None or self.sfr(self.fd, offset, nbytes, flags) == 0:
-            return
-        import ctypes
-        import errno
-
-        err = ctypes.get_errno()
-        if err in (errno.ENOSYS, errno.ESPIPE, errno.EINVAL, errno.EOPNOTSUPP):  # not for this file: plain writes
-            self.sfr = None
-            return
-        raise OSError(err, os.strerror(err))
-
-
 class _Writer:
-    """Gathers small writes; writes large tensor chunks straight from their memory, with write-behind."""
+    """Writes one file's pieces in order, each from its own memory: small pieces are gathered by reference and
+    written together with one ``writev`` (copying them into a staging buffer cost a copy and, per flush, a fresh
+    allocation whose first touch is slow on VMs); large tensor chunks are written directly; with write-behind."""
 
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
-        self.stage = bytearray()
+        self.pending: list[memoryview] = []
+        self.pending_bytes = 0
         self.total = 0
-        self.behind = _WriteBehind.open(out)
+        self.behind = WriteBehind.open(out)
 
     def small(self, data: bytes | memoryview) -> None:
-        self.stage += data
-        if len(self.stage) >= _STAGE_BYTES:
+        view = memoryview(data).cast("B")
+        if not view:
+            return
+        self.pending.append(view)
+        self.pending_bytes += len(view)
+        if self.pending_bytes >= _STAGE_BYTES or len(self.pending) >= _IOV_MAX:
             self._flush()
 
     def blob(self, tensors: _Tensors, key: int) -> None:
@@ -460,15 +390,31 @@ class _Writer:
         return self.total
 
     def _flush(self) -> None:
-        if self.stage:
-            self._write(memoryview(self.stage))
-            self.stage = bytearray()
+        views, self.pending, self.pending_bytes = self.pending, [], 0
+        if not hasattr(os, "writev"):  # Windows
+            if views:
+                self._write(memoryview(b"".join(views)))
+            return
+        fd, first = self.out.fileno(), 0
+        while first < len(views):
+            n = os.writev(fd, views[first:])
+            if n == 0:
+                raise OSError(errno.EIO, "the file accepted no more bytes", self.out.name)
+            self._wrote(n)
+            while n and n >= len(views[first]):  # a short write (rare on regular files): go on after it
+                n -= len(views[first])
+                first += 1
+            if n:
+                views[first] = views[first][n:]
 
     def _write(self, data: memoryview) -> None:
         data = data.cast("B")
         while data:
-            n = self.out.write(data if self.behind is None else data[:_BEHIND_BYTES])
+            n = self.out.write(data if self.behind is None else data[:BEHIND_BYTES])
             data = data[n:]
-            self.total += n
-            if self.behind is not None:
-                self.behind.advance(self.total)
+            self._wrote(n)
+
+    def _wrote(self, n: int) -> None:
+        self.total += n
+        if self.behind is not None:
+            self.behind.advance(self.total)

@@ -1,0 +1,113 @@
+"""Whole-file reads: the page cache's part copied, the rest read with direct I/O, and the same bytes every way.
+
+Files are random bytes of an odd size (not a multiple of any block), a few chunks long, so every path meets a
+partial last block. Residency is probed with ``RWF_NOWAIT`` reads, which fail for a page the cache does not hold.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from lightning_ort_ckpt import CorruptCheckpointError
+from lightning_ort_ckpt.format import diskio
+
+SIZE = 2 * diskio._READ_CHUNK + 3 * 4096 + 123  # three chunks, the last one short and ending mid-block
+MIDDLES = (diskio._READ_CHUNK // 2 + 4321, 3 * diskio._READ_CHUNK // 2)  # far from where read-ahead may start
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    payload = np.random.default_rng(7).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+    path = str(tmp_path / "blob.bin")
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    return path, payload
+
+
+def evict(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached(path: str, offset: int) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def read(path: str, size: int = SIZE) -> np.ndarray:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return diskio.read_whole(fd, size, path)
+    finally:
+        os.close(fd)
+
+
+def test_cold_read_is_exact_and_leaves_the_page_cache_alone(data_file):
+    path, payload = data_file
+    evict(path)
+    out = read(path)
+    assert out.tobytes() == payload
+    assert out.ctypes.data % 4096 == 0
+    # read straight from the disk: pages away from the chunk starts (where a probe may start read-ahead) stay uncached
+    assert not any(cached(path, off) for off in MIDDLES)
+
+
+def test_warm_and_partly_cached_reads_are_exact(data_file):
+    path, payload = data_file
+    assert read(path).tobytes() == payload  # written just now: cached
+    evict(path)
+    with open(path, "rb") as f:  # cache some unaligned ranges, including across a chunk boundary
+        for off, n in ((5, 10_000), (diskio._READ_CHUNK - 7777, 20_000), (SIZE - 300, 300), (3 << 20, 1 << 20)):
+            f.seek(off)
+            f.read(n)
+    assert cached(path, diskio._READ_CHUNK) and not any(cached(path, off) for off in MIDDLES)
+    assert read(path).tobytes() == payload
+
+
+def test_falls_back_to_plain_reads_where_direct_io_is_refused(data_file, monkeypatch):
+    import fcntl
+
+    path, payload = data_file
+    evict(path)
+    real = fcntl.fcntl
+
+    def refuse_direct(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refuse_direct)
+    assert read(path).tobytes() == payload
+    assert all(cached(path, off) for off in MIDDLES)  # read through the page cache
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_file_shorter_than_expected_is_our_error(data_file, warm):
+    path, _ = data_file
+    if not warm:
+        evict(path)
+    with pytest.raises(CorruptCheckpointError, match="shrank while being read"):
+        read(path, SIZE + 50_000)
+
+
+def test_small_files_are_plain_memory(tmp_path):
+    path = str(tmp_path / "small.bin")
+    with open(path, "wb") as f:
+        f.write(b"abc" * 1000)
+    out = read(path, 3000)
+    assert out.tobytes() == b"abc" * 1000 and out.flags.writeable
