@@ -1,7 +1,7 @@
 """Our writer and reader round-trip every dtype, shape, property, optimizer group and external-data mode bit for bit.
 
-Both read paths are covered: ``load_checkpoint`` (fresh tensors, preadv) and ``open_checkpoint`` (lazy, zero-copy from
-the memory map where alignment allows).
+Both read paths are covered: ``load_checkpoint`` (fresh tensors, the file read whole) and ``open_checkpoint`` (lazy,
+zero-copy from the memory map where alignment allows).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_every_dtype_external(tmp_path, dtype, mode):
 
 
 def test_large_tensor(tmp_path):
-    big = random_tensor((1024, 1280), torch.float32, seed=1)  # 5 MiB: more than the writer's staging buffer
+    big = random_tensor((1024, 1280), torch.float32, seed=1)  # 5 MiB: written directly, not gathered
     big64 = random_tensor((3, 131072), torch.int64, seed=2)  # 3 MiB
     ck = Checkpoint(trainable={"big": big, "small": torch.arange(3.0)}, frozen={"big64": big64},
                     optimizer_groups={"group0": OptimizerGroup(1, 0.1, {"big": {"momentum0": big.t()}})})

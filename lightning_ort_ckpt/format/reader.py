@@ -68,7 +68,7 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike[str], *, in_memory: bool = False) -> None:
         """``in_memory=True`` reads the whole file (and its ``.data``) into memory at once instead of mapping it:
-        one sequential read, the fastest way to get every byte (``load_checkpoint`` uses it)."""
+        the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``)."""
         self.path = os.fspath(path)
         atomic.recover(self.path)
         self._in_memory = in_memory
@@ -149,7 +149,7 @@ class CheckpointReader:
     def load(self) -> Checkpoint:
         """Everything, as a :class:`Checkpoint` of torch tensors in memory of their own (nothing left mapped).
 
-        The file is read whole, in one sequential read (unless the reader already holds it: ``in_memory``), and
+        The file is read whole, in order (unless the reader already holds it: ``in_memory``), and
         the tensors are views into that memory; int64/double tensors that ORT left only 4-aligned are copied.
         """
         if not self._in_memory:
@@ -368,7 +368,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read the whole checkpoint at ``path`` into torch tensors in memory of their own (views into the file's bytes,
-    read in one sequential read: a tensor kept alive keeps that memory alive)."""
+    read in order, the uncached part straight from the disk: a tensor kept alive keeps that memory alive)."""
     with CheckpointReader(path, in_memory=True) as reader:
         return reader.load()
 
