@@ -1,12 +1,15 @@
-"""Whole-file reads: the page cache's part copied, the rest read with direct I/O, and the same bytes every way.
+"""Whole-file reads: the page cache's part copied (and dropped), the rest read with direct I/O, the same bytes every
+way.
 
 Files are random bytes of an odd size (not a multiple of any block), a few chunks long, so every path meets a
-partial last block. Residency is probed with ``RWF_NOWAIT`` reads, which fail for a page the cache does not hold.
+partial last block. Page-cache residency is read with mincore.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 
 import numpy as np
@@ -39,14 +42,18 @@ def evict(path: str) -> None:
 
 
 def cached(path: str, offset: int) -> bool:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
+    """Whether the page cache holds the page at ``offset``: mincore, which unlike a probing read starts no read-ahead."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = offset - offset % mmap.PAGESIZE
+    vec = ctypes.c_ubyte()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        anchor = ctypes.c_char.from_buffer(mm)
+        addr = ctypes.addressof(anchor) + page
+        rc = libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(mmap.PAGESIZE), ctypes.byref(vec))
+        del anchor  # the mapping can close only once nothing points into it
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return bool(vec.value & 1)
 
 
 def read(path: str, size: int = SIZE) -> np.ndarray:
@@ -67,9 +74,11 @@ def test_cold_read_is_exact_and_leaves_the_page_cache_alone(data_file):
     assert not any(cached(path, off) for off in MIDDLES)
 
 
-def test_warm_and_partly_cached_reads_are_exact(data_file):
+def test_warm_and_partly_cached_reads_are_exact_and_drop_what_they_copied(data_file):
     path, payload = data_file
-    assert read(path).tobytes() == payload  # written just now: cached
+    assert all(cached(path, off) for off in (0, *MIDDLES))  # written just now
+    assert read(path).tobytes() == payload
+    assert not any(cached(path, off) for off in (0, *MIDDLES))  # copied, then dropped: in memory once, not twice
     evict(path)
     with open(path, "rb") as f:  # cache some unaligned ranges, including across a chunk boundary
         for off, n in ((5, 10_000), (diskio._READ_CHUNK - 7777, 20_000), (SIZE - 300, 300), (3 << 20, 1 << 20)):
@@ -77,6 +86,7 @@ def test_warm_and_partly_cached_reads_are_exact(data_file):
             f.read(n)
     assert cached(path, diskio._READ_CHUNK) and not any(cached(path, off) for off in MIDDLES)
     assert read(path).tobytes() == payload
+    assert not cached(path, diskio._READ_CHUNK)
 
 
 def test_falls_back_to_plain_reads_where_direct_io_is_refused(data_file, monkeypatch):
@@ -93,7 +103,7 @@ def test_falls_back_to_plain_reads_where_direct_io_is_refused(data_file, monkeyp
 
     monkeypatch.setattr(fcntl, "fcntl", refuse_direct)
     assert read(path).tobytes() == payload
-    assert all(cached(path, off) for off in MIDDLES)  # read through the page cache
+    assert all(cached(path, off) for off in MIDDLES)  # read through the page cache, which keeps it
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])

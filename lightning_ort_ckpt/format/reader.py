@@ -368,7 +368,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read the whole checkpoint at ``path`` into torch tensors in memory of their own (views into the file's bytes,
-    read in order, the uncached part straight from the disk: a tensor kept alive keeps that memory alive)."""
+    read in order: a tensor kept alive keeps that memory alive). Large files leave the page cache as they are
+    copied, and their uncached part is read straight from the disk (see ``diskio.read_whole``)."""
     with CheckpointReader(path, in_memory=True) as reader:
         return reader.load()
 
