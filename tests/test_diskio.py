@@ -42,7 +42,7 @@ def evict(path: str) -> None:
 
 
 def cached(path: str, offset: int) -> bool:
-    """Whether the page cache holds the page at ``offset``: mincore, which unlike a probing read starts no read-ahead."""
+    """Whether the page cache holds the page at ``offset`` (mincore: unlike a probing read, it starts no read-ahead)."""
     libc = ctypes.CDLL(None, use_errno=True)
     page = offset - offset % mmap.PAGESIZE
     vec = ctypes.c_ubyte()

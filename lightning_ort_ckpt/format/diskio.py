@@ -1,9 +1,10 @@
 """How bytes move between checkpoint files and memory, fast and without flooding the page cache.
 
 Saves stream with write-behind (:class:`WriteBehind`); whole-file loads (:func:`read_whole`) copy what the page cache
-already holds and read the rest with direct I/O into huge-page memory. Both exist for the same reason: on the VMs
-this project runs on, fresh memory (new page-cache pages, a new buffer) costs more than the disk, because the guest
-hands freed memory back to its host and every 4 KiB page touched again is a fault to the host. Everything here is an
+already holds (and drop it from the cache) and read the rest with direct I/O into huge-page memory. Both exist for
+the same reason: on the VMs this project runs on, fresh memory (new page-cache pages, a new buffer) costs more than
+the disk, because the guest hands freed memory back to its host and every 4 KiB page touched again is a fault to
+the host. Everything here is an
 optimization with a plain fallback: where a call is missing or refused (not Linux, a file system without direct I/O),
 the result is the same bytes by ordinary reads and writes.
 """
@@ -127,13 +128,13 @@ def read_whole(fd: int, size: int, path: str) -> np.ndarray:
     Step by step, what the page cache already holds is copied from it (``RWF_NOWAIT`` reads stop at the first
     uncached page) and then dropped from the cache, and the rest is read with ``O_DIRECT``, from the disk straight
     into the buffer. A buffered read of an uncached file would first fill the page cache: as much fresh memory again
-    as the file, which here costs more than the disk (a cold 3 GB load: 2.1 s, against 9.6 s for a plain read;
+    as the file, which here costs more than the disk (a cold 3 GB load: 1.8 s, against 9.0 s for a plain read;
     docs/performance.md), and it would push the training job's own files out of the cache. Dropping what was copied
     keeps the checkpoint in memory once, not twice, and the pages it frees are the ones the rest of the buffer then
-    reuses, instead of fresh memory (a warm 3 GB load: 0.4 s instead of 6.4 s); a later load of the same file reads
-    it directly, which is the fast path anyway. Pages that some process has mapped, or that are dirty, stay cached.
-    Small files, and systems or file systems without these calls, get one plain sequential read, and nothing is
-    dropped.
+    reuses, instead of fresh memory (a warm 3 GB load: 1.0 s, against 6.6 s for a plain read); a later load of the
+    same file reads it directly, which is the fast path anyway. Pages that some process has mapped, or that are
+    dirty, stay cached. Small files, and systems or file systems without these calls, get one plain sequential read,
+    and nothing is dropped.
     """
     out = fresh_memory(-(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN)  # direct reads fill whole blocks
     view = memoryview(out)
