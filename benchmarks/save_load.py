@@ -24,7 +24,7 @@ timed region. Before every child the parent also drops all benchmark files from 
 each child starts with the same free memory (the guest returns freed memory to its host, and the next first touch of
 it is what dominates a multi-GB load here). The baselines are a raw ``write`` + ``fsync`` of as many bytes as our
 checkpoint from a touched buffer, and a raw ``readinto`` of that file into a freshly allocated ``np.empty`` buffer
-(fresh, as every loader allocates fresh memory). A second write baseline uses write-behind, as our writer does (each
+(fresh, as every loader allocates fresh memory). A second write baseline uses our writer's write-behind (each
 8 MiB step's writeback started as soon as it is written, the step before waited for and dropped from the page cache,
 then fsync): the floor for that technique. A second read baseline reads into memory advised for transparent huge
 pages, as our reader allocates it: the raw read minus most of the page faults. The "first touch" row allocates and
@@ -56,7 +56,6 @@ PAGE = mmap.PAGESIZE
 SEED = 1234
 STEP = 1000
 SAVE_METHODS = ["raw", "raw_behind", "ours", "torch", "lightning", "safetensors", "ort"]
-BEHIND_BYTES = 8 << 20  # the write-behind step of the raw_behind baseline (the same as our writer's)
 LOAD_METHODS = ["raw", "raw_huge", "alloc", "ours", "ours_lazy", "torch", "safetensors", "ort"]
 PAUSE_S = 2.0  # between children: the guest hands freed memory back to its host after about 2 s
 LABELS = {
@@ -286,27 +285,20 @@ def warm(paths: list[str]) -> None:
 # children
 # ------------------------------------------------------------------------------------------------------------------
 def raw_write_behind(path: str, data: memoryview) -> None:
-    """A raw write in steps: each step's writeback started as soon as it is written, the step before waited for and
-    dropped from the page cache (sync_file_range + POSIX_FADV_DONTNEED), then fsync: the floor for that technique."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    sfr = libc.sync_file_range
-    sfr.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        pos, prev = 0, None
+    """A raw write in steps through our writer's ``WriteBehind`` (each step's writeback started as soon as it is
+    written, the step before waited for and dropped from the page cache), then fsync: the floor for that technique
+    when the bytes come from one buffer."""
+    from lightning_ort_ckpt.format.diskio import BEHIND_BYTES, WriteBehind
+
+    with open(path, "xb", buffering=0) as f:
+        behind = WriteBehind.open(f)
+        if behind is None:
+            raise OSError(f"write-behind is not available for {path}")
+        pos = 0
         while pos < len(data):
-            n = os.write(fd, data[pos:pos + BEHIND_BYTES])
-            if sfr(fd, pos, n, 2) != 0:  # SYNC_FILE_RANGE_WRITE
-                raise OSError(ctypes.get_errno(), "sync_file_range")
-            if prev is not None:
-                if sfr(fd, prev[0], prev[1], 1 | 2 | 4) != 0:  # WAIT_BEFORE | WRITE | WAIT_AFTER
-                    raise OSError(ctypes.get_errno(), "sync_file_range")
-                os.posix_fadvise(fd, prev[0], prev[1], os.POSIX_FADV_DONTNEED)
-            prev = (pos, n)
-            pos += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            pos += f.write(data[pos:pos + BEHIND_BYTES])
+            behind.advance(pos)
+        os.fsync(f.fileno())
 
 
 def child_save(method: str, n_million: float, path: str, raw_size: int, ours_path: str) -> dict[str, Any]:

@@ -4,9 +4,8 @@ Saves stream with write-behind (:class:`WriteBehind`); whole-file loads (:func:`
 already holds (and drop it from the cache) and read the rest with direct I/O into huge-page memory. Both exist for
 the same reason: on the VMs this project runs on, fresh memory (new page-cache pages, a new buffer) costs more than
 the disk, because the guest hands freed memory back to its host and every 4 KiB page touched again is a fault to
-the host. Everything here is an
-optimization with a plain fallback: where a call is missing or refused (not Linux, a file system without direct I/O),
-the result is the same bytes by ordinary reads and writes.
+the host. Everything here is an optimization with a plain fallback: where a call is missing or refused (not Linux, a
+file system without direct I/O), the result is the same bytes by ordinary reads and writes.
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ def read_whole(fd: int, size: int, path: str) -> np.ndarray:
     dirty, stay cached. Small files, and systems or file systems without these calls, get one plain sequential read,
     and nothing is dropped.
     """
-    out = fresh_memory(-(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN)  # direct reads fill whole blocks
+    out = fresh_memory(_whole_blocks(size))  # direct reads fill whole blocks
     view = memoryview(out)
     direct = size >= _DIRECT_MIN and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
     if not direct and hasattr(os, "posix_fadvise"):
@@ -184,7 +183,7 @@ def _read_direct(fd: int, view: memoryview, pos: int, end: int, path: str) -> in
     import fcntl
 
     start = pos - pos % _DIRECT_ALIGN
-    stop = -(-end // _DIRECT_ALIGN) * _DIRECT_ALIGN  # the buffer is rounded up to whole blocks
+    stop = _whole_blocks(end)  # the buffer is rounded up to whole blocks too
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
     try:
@@ -194,6 +193,11 @@ def _read_direct(fd: int, view: memoryview, pos: int, end: int, path: str) -> in
     if start + n <= pos:
         raise _shrank(start + n, path)
     return min(start + n, end)
+
+
+def _whole_blocks(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole direct-I/O blocks."""
+    return -(-nbytes // _DIRECT_ALIGN) * _DIRECT_ALIGN
 
 
 def _shrank(pos: int, path: str) -> CorruptCheckpointError:
