@@ -77,6 +77,13 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
     checkpoint, directory = os.fspath(checkpoint), os.fspath(directory)
     state = read_lightning_checkpoint(checkpoint)
     module = _load_module(model, checkpoint, state)
+    narrow = {n: p.dtype for n, p in module.named_parameters() if p.is_floating_point() and p.element_size() < 4}
+    if narrow:
+        name, dtype = next(iter(narrow.items()))
+        raise ArtifactsError(f"ONNX Runtime 1.19.2 trains float32 graphs, and parameter {name!r} is "
+                             f"{str(dtype).removeprefix('torch.')} ({len(narrow)} such parameters): pass a float32 "
+                             f"module instance as model (YourModule.load_from_checkpoint(path).float()); a "
+                             f"checkpoint saved with ort_compatible=True already holds them as float32", checkpoint)
     args = example_input if example_input is not None else getattr(module, "example_input_array", None)
     if args is None:
         raise ArtifactsError("no example input: pass example_input or set example_input_array on the module",

@@ -116,6 +116,23 @@ class ParamContainers(ZooModule):
         return torch.optim.RMSprop(self.parameters(), lr=0.01)
 
 
+class Bf16Mlp(ZooModule):
+    """bfloat16 parameters (saved with ``ort_compatible=True``, as float32 ORT can load); the input is cast to the
+    parameters' dtype, so a float32 copy of the module runs too. AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8, dtype=torch.bfloat16)
+        self.fc2 = nn.Linear(8, 3, dtype=torch.bfloat16)
+        self.example_input_array = torch.randn(2, 6, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x.to(self.fc1.weight.dtype)))).float()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6)
+
+
 class SoftplusHead(ZooModule):
     """A Softplus output, which ORT 1.19.2 cannot differentiate; AdamW."""
 
@@ -143,7 +160,10 @@ def tokens(vocab: int, length: int) -> Callable[[torch.Generator], torch.Tensor]
 class Entry:
     """One model shape of the zoo.
 
-    ``ort_error``: None when ORT trains the model, else the ONNX operator ``make_training_artifacts`` must name.
+    ``ort_error``: None when ORT trains the model, else what the ``ArtifactsError`` of ``make_training_artifacts``
+    must say (a regular expression). ``float32_for_ort``: ORT trains (and ONNX Runtime runs) a float32 copy of the
+    module, ``load_from_checkpoint(path).float()``; passing the class must raise. ``plugin``: ``OrtCheckpointIO``
+    arguments.
     ``trained_by_ort``: ``state_dict`` keys ORT's training changes (checked to have moved); ``unchanged``: the keys
     it must leave alone (frozen or held by no optimizer).
     """
@@ -158,6 +178,8 @@ class Entry:
     unchanged: tuple[str, ...] = ()
     adam_like: bool = True
     tolerance: float = 1e-5
+    plugin: dict[str, Any] = field(default_factory=dict)
+    float32_for_ort: bool = False
 
     def build(self, seed: int) -> ZooModule:
         torch.manual_seed(seed)
@@ -177,5 +199,7 @@ ZOO = [
           unchanged=("backbone.weight", "backbone.bias", "temperature")),
     Entry("param_containers", ParamContainers, features(6), 3, trained_by_ort=("weights.0", "biases.out"),
           adam_like=False),
-    Entry("softplus_head", SoftplusHead, features(6), 3, ort_error="Softplus"),
+    Entry("bf16_mlp", Bf16Mlp, features(6), 3, trained_by_ort=("fc1.weight",), plugin={"ort_compatible": True},
+          float32_for_ort=True),
+    Entry("softplus_head", SoftplusHead, features(6), 3, ort_error="cannot differentiate the ONNX operator Softplus"),
 ]
