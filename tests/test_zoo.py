@@ -330,3 +330,18 @@ def test_only_imported_enum_and_dataclass_classes_are_resolved(name: str) -> Non
         assert isinstance(decoded, values.Unsaved)
         with pytest.raises(CheckpointError, match=re.escape(name.split(":")[0])):
             decoded == 1  # noqa: B015 - the comparison is what must raise
+
+
+def test_a_tied_file_ort_alone_wrote_loads_into_a_module(ort_trained: Any, tmp_path: Any) -> None:
+    """ORT stores the tied tensor once, with no aliases: a module at hand (an instance given to export_onnx) fills
+    the tied name from it; load_from_checkpoint, which has none yet, needs strict=False, and the tie does the rest."""
+    entry = next(e for e in ZOO if e.name == "tied_transformer")
+    paths, _, alone = ort_trained(entry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        loaded = entry.cls.load_from_checkpoint(paths["ort_alone"], strict=False)
+        instance = entry.build(9)
+        export_onnx(instance, paths["ort_alone"], tmp_path / "m.onnx", tolerance=entry.tolerance)
+    for module in (loaded, instance):
+        for name in ("embed.weight", "head.weight"):
+            assert_same_ort_tensor(module.state_dict()[name], alone["embed.weight"], name)
