@@ -67,7 +67,7 @@ def loader(entry: Entry) -> torch.utils.data.DataLoader:
 def trainer(entry: Entry, callbacks: list[Any] = (), **limits: Any) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, plugins=[OrtCheckpointIO(**entry.plugin)],
-                      callbacks=list(callbacks), deterministic=True, **limits)
+                      callbacks=list(callbacks), deterministic=True, **entry.trainer, **limits)
 
 
 def fit(entry: Entry, model: Any, ckpt_path: Any = None, callbacks: list[Any] = (), **limits: Any) -> tuple[
@@ -117,8 +117,15 @@ def test_resume_at_epoch_boundary_is_bitwise_the_uninterrupted_run(entry: Entry,
     resumed = entry.build(7)
     t, warned = fit(entry, resumed, epoch_one[entry.name], max_epochs=2)
     assert not warned, warned
-    assert t.global_step == 8
+    assert t.global_step == straight.trainer.global_step > 0
     assert_same_state(resumed.state_dict(), straight.state_dict(), entry.name)
+    for mine, theirs in zip(t.optimizers, straight.trainer.optimizers, strict=True):
+        a, b = mine.state_dict(), theirs.state_dict()
+        assert a["param_groups"] == b["param_groups"]  # learning rates of schedules included
+        assert a["state"].keys() == b["state"].keys()
+        for index, state in b["state"].items():
+            for key, value in state.items():
+                assert_same_tensor(torch.as_tensor(a["state"][index][key]), torch.as_tensor(value), f"{index}/{key}")
     for name, alias in aliases_of(resumed).items():  # tied weights are still one tensor after the resume
         assert resumed.get_parameter(name) is resumed.get_parameter(alias)
 

@@ -133,6 +133,50 @@ class Bf16Mlp(ZooModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6)
 
 
+class TwoOptimizers(ZooModule):
+    """Manual optimization with two optimizers, as a GAN has: Adam for the encoder, SGD for the head. ORT trains
+    with one optimizer: the first one's parameters are trainable for it, the head is frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.encoder = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+        self.example_input_array = torch.randn(2, 6, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        for opt in self.optimizers():
+            opt.zero_grad()
+            self.manual_backward(nn.functional.cross_entropy(self(x), y))
+            opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.Adam(self.encoder.parameters(), lr=0.01, eps=1e-6),
+                torch.optim.SGD(self.head.parameters(), lr=0.05, momentum=0.9))
+
+
+class OneCycleMlp(ZooModule):
+    """AdamW with a OneCycle schedule stepped per optimizer step; the entry trains it with gradient accumulation
+    and clipping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        self.example_input_array = torch.randn(2, 6, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=50)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
 class SoftplusHead(ZooModule):
     """A Softplus output, which ORT 1.19.2 cannot differentiate; AdamW."""
 
@@ -179,6 +223,7 @@ class Entry:
     adam_like: bool = True
     tolerance: float = 1e-5
     plugin: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=dict)
     float32_for_ort: bool = False
 
     def build(self, seed: int) -> ZooModule:
@@ -201,5 +246,9 @@ ZOO = [
           adam_like=False),
     Entry("bf16_mlp", Bf16Mlp, features(6), 3, trained_by_ort=("fc1.weight",), plugin={"ort_compatible": True},
           float32_for_ort=True),
+    Entry("two_optimizers_manual", TwoOptimizers, features(6), 3, trained_by_ort=("encoder.0.weight",),
+          unchanged=("head.weight", "head.bias")),
+    Entry("onecycle_accumulate_clip", OneCycleMlp, features(6), 3, trained_by_ort=("net.0.weight",),
+          trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
     Entry("softplus_head", SoftplusHead, features(6), 3, ort_error="cannot differentiate the ONNX operator Softplus"),
 ]
