@@ -87,6 +87,8 @@ def with_aliases(state_dict: dict[str, Any], module: torch.nn.Module) -> dict[st
         return state_dict
     out = type(state_dict)(state_dict)
     out.update((a, state_dict[c]) for a, c in missing.items())
+    if hasattr(state_dict, "_metadata"):
+        out._metadata = state_dict._metadata  # type: ignore[attr-defined]
     return out
 
 

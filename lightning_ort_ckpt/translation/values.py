@@ -73,7 +73,7 @@ class Unsaved:
     def __init__(self, description: str) -> None:
         object.__setattr__(self, "_description", description)
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # str() too: loggers print hyperparameters
         return object.__getattribute__(self, "_description")
 
     def __deepcopy__(self, memo: Any) -> Unsaved:
@@ -93,7 +93,7 @@ class Unsaved:
         return Unsaved._refuse(self)
 
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = __bool__ = __iter__ = _refuse
-    __len__ = __getitem__ = __contains__ = __int__ = __float__ = __index__ = __str__ = __format__ = _refuse
+    __len__ = __getitem__ = __contains__ = __int__ = __float__ = __index__ = _refuse
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
     __setattr__ = _refuse
 
