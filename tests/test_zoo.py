@@ -105,7 +105,7 @@ def epoch_one(tmp_path_factory: Any) -> dict[str, str]:
     return paths
 
 
-# -- (a) Lightning save -> resume --------------------------------------------------------------------------------------
+# -- (a) Lightning save -> resume ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("entry", ZOO, ids=_IDS)
@@ -130,7 +130,7 @@ def test_resume_at_epoch_boundary_is_bitwise_the_uninterrupted_run(entry: Entry,
         assert resumed.get_parameter(name) is resumed.get_parameter(alias)
 
 
-# -- (b) Lightning -> ORT training -> Lightning ----------------------------------------------------------------------------
+# -- (b) Lightning -> ORT training -> Lightning ----------------------------------------------------------------------
 
 
 def ort_batches(entry: Entry) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -245,7 +245,7 @@ def test_what_ort_cannot_train_is_a_clear_error(entry: Entry, epoch_one: dict[st
     assert "requires_grad=False" in str(info.value) or entry.float32_for_ort
 
 
-# -- (c) export parity ----------------------------------------------------------------------------------------------
+# -- (c) export parity -----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("entry", ZOO, ids=_IDS)
@@ -271,7 +271,7 @@ def test_export_of_the_ort_trained_file_matches_ort(entry: Entry, epoch_one: dic
             assert_same_ort_tensor(tensor, ort[stored], f"{entry.name}: {name}")
 
 
-# -- hyperparameters JSON cannot spell --------------------------------------------------------------------------------
+# -- hyperparameters JSON cannot spell -------------------------------------------------------------------------------
 
 
 def test_enum_hparam_builds_the_same_model_and_module_hparam_fails_loudly(tmp_path: Any) -> None:

@@ -247,9 +247,10 @@ def _optimizer_from_ort(entry: dict[str, Any], ck: Checkpoint, source: values.Te
     ort_group = ck.optimizer_groups.get(GROUP_ZERO)
     if entry["group"] == "optimizer0" and ort_group is not None:
         # Lightning saved no group0 (the first optimizer is not Adam-like); ORT's Optimizer made one: it trained
-        warnings.warn(f"{path}: ONNX Runtime trained this checkpoint ({ort_group.step} AdamW steps) after Lightning "
-                      f"saved it; the weights are ORT's, but the first optimizer's state ({_state_kinds(entry)}) "
-                      f"is Lightning's from before and is not what ORT used", CheckpointWarning, stacklevel=4)
+        warnings.warn(f"{path}: ONNX Runtime trained this checkpoint ({ort_group.step} optimizer steps) after "
+                      f"Lightning saved it; the weights are ORT's, but the first optimizer's state "
+                      f"({_state_kinds(entry)}) is Lightning's from before and is not what ORT used",
+                      CheckpointWarning, stacklevel=4)
     if group is None:
         # saved by ORT without optimizer state (its default): the hyperparameters are here, the moments are not
         warnings.warn(f"{path} holds no optimizer state (ONNX Runtime saves it only with "

@@ -16,7 +16,7 @@ JSON values stand for themselves, with these exceptions, each a one-key object w
                         ``{"__size__": [...]}`` a ``torch.Size``
 ``{"__dict__": [[k, v], ...]}``  a dict whose keys are not all strings, or that uses a tag as a key;
                         ``{"__odict__": [[k, v], ...]}`` an OrderedDict (other dict subclasses come back as dicts)
-``{"__numpy__": [dtype, v]}``  a numpy scalar (an IntEnum is saved as its int)
+``{"__numpy__": [dtype, v]}``  a numpy scalar
 ``{"__bytes__": b64}``  bytes; ``{"__dtype__": "float32"}`` a torch dtype; ``{"__device__": "cpu"}`` a device
 ``{"__path__": s}``     a pathlib path; ``{"__namespace__": {...}}`` an argparse Namespace
 ``{"__enum__": [q, v]}``  an ``enum.Enum`` member (``IntEnum`` and ``StrEnum`` too): ``q`` is its class's
@@ -39,8 +39,8 @@ import base64
 import dataclasses
 import enum
 import math
-import sys
 import pathlib
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -63,9 +63,10 @@ _TAGS = frozenset({"__tensor__", "__ndarray__", "__float__", "__tuple__", "__set
 class Unsaved:
     """A value the checkpoint could not keep (or whose class this process cannot resolve).
 
-    Any use of it (comparison, hashing, truth, attributes, iteration, arithmetic) raises ``CheckpointError``, so a model
-    built from loaded hyperparameters fails loudly instead of silently taking another branch; pass the value again
-    (``load_from_checkpoint(path, name=value)``) to replace it. ``repr`` gives the description that was saved.
+    Any use of it (comparison, hashing, truth, attributes, iteration, arithmetic) raises ``CheckpointError``, so a
+    model built from loaded hyperparameters fails loudly instead of silently taking another branch; pass the value
+    again (``load_from_checkpoint(path, name=value)``) to replace it. ``repr`` and ``str`` give the description that
+    was saved.
     """
 
     __slots__ = ("_description",)
