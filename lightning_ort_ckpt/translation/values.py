@@ -29,7 +29,8 @@ JSON values stand for themselves, with these exceptions, each a one-key object w
 
 Classes are resolved by name only among modules the process has already imported (importing one runs its code,
 and a file's content must never choose what runs), and only to an ``Enum`` or dataclass: its constructor is the
-only code the file makes run. A class that cannot be resolved loads as an :class:`Unsaved` placeholder naming it.
+only code the file makes run. A class that cannot be resolved, or that no longer accepts the saved value (a member
+or field renamed since), loads as an :class:`Unsaved` placeholder naming it.
 """
 
 from __future__ import annotations
@@ -239,7 +240,10 @@ def _decode_tagged(tag: str, body: Any, source: TensorSource) -> Any:
             return Unsaved(f"<{name}: its module is not imported in this process (import it before loading), or "
                            f"it is no {'Enum' if tag == '__enum__' else 'dataclass'}>")
         decoded = decode(value, source)
-        return cls(decoded) if tag == "__enum__" else cls(**decoded)
+        try:
+            return cls(decoded) if tag == "__enum__" else cls(**decoded)
+        except Exception as e:  # noqa: BLE001 - the class changed since the save (a member or field renamed...)
+            return Unsaved(f"<{name} cannot be rebuilt from {decoded!r}: {type(e).__name__}: {e}>")
     return Unsaved(body)  # __unencodable__
 
 
