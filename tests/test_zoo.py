@@ -184,6 +184,8 @@ def ort_trained(epoch_one: dict[str, str], tmp_path_factory: Any) -> Any:
         if entry.name not in done:
             art = make_training_artifacts(model_for_ort(entry, epoch_one[entry.name]), epoch_one[entry.name],
                                           root / entry.name)
+            # one trainable set: the file's (what the first optimizer holds) is the artifacts'
+            assert sorted(art.trainable) == sorted(load_checkpoint(epoch_one[entry.name]).trainable)
             paths = {kind: str(root / f"{entry.name}-{kind}.ckpt") for kind in ORT_SAVES}
             weights = ort_train(art, art.checkpoint, entry,
                                 {paths["with_optimizer"]: True, paths["weights_only"]: False})

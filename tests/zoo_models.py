@@ -177,6 +177,23 @@ class OneCycleMlp(ZooModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class GroupNormCNN(ZooModule):
+    """Conv -> GroupNorm (exported as InstanceNormalization, which ORT 1.19.2 cannot differentiate) -> head; Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.norm = nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4, 3)
+        self.example_input_array = torch.randn(2, 1, 6, 6, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01, eps=1e-6)
+
+
 class SoftplusHead(ZooModule):
     """A Softplus output, which ORT 1.19.2 cannot differentiate; AdamW."""
 
@@ -250,5 +267,7 @@ ZOO = [
           unchanged=("head.weight", "head.bias")),
     Entry("onecycle_accumulate_clip", OneCycleMlp, features(6), 3, trained_by_ort=("net.0.weight",),
           trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
+    Entry("groupnorm_cnn", GroupNormCNN, features(1, 6, 6), 3,
+          ort_error="cannot differentiate the ONNX operator InstanceNormalization"),
     Entry("softplus_head", SoftplusHead, features(6), 3, ort_error="cannot differentiate the ONNX operator Softplus"),
 ]
