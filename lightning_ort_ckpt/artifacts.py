@@ -15,8 +15,9 @@ ORT's ``Optimizer`` finds state for each. Four things ORT 1.19.2 needs handled:
   BatchNormalization and Dropout in inference form.
 - ORT's gradients of LayerNormalization and Dropout read their optional outputs (mean and inverse standard
   deviation; the mask), which ``torch.onnx.export`` leaves out: they are added, so transformer blocks (LayerNorm at
-  opset 17, attention with dropout) train. An operator ORT has no gradient for raises :class:`ArtifactsError`
-  naming it.
+  opset 17, attention with dropout) train. InstanceNormalization (GroupNorm, InstanceNorm), which ORT cannot
+  differentiate, is written out as the ops it stands for. Any other operator ORT has no gradient for raises
+  :class:`ArtifactsError` naming it.
 - onnx >= 1.17 stamps an IR version ORT 1.19.2 rejects on the models; it is clamped to 10.
 """
 
@@ -97,6 +98,7 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
         if init.name in values:
             init.CopyFrom(onnx.numpy_helper.from_array(values[init.name].numpy(), init.name))
     _expose_gradient_outputs(graph)
+    _decompose_instance_norm(graph)
     names = {i.name for i in graph.graph.initializer}
     in_file = set(load_checkpoint(checkpoint).trainable) if is_ort_checkpoint(checkpoint) else None
     trainable = [n for n, p in module.named_parameters()
@@ -138,6 +140,59 @@ def _expose_gradient_outputs(graph: Any) -> None:
         count = wanted.get(node.op_type, 0)
         while len(node.output) < count:
             node.output.append(f"{node.output[0]}.grad_input{len(node.output)}.{index}")
+
+
+def _decompose_instance_norm(graph: Any) -> None:
+    """InstanceNormalization (what GroupNorm and InstanceNorm export to; ORT has no gradient for it) as the
+    elementwise and ReduceMean ops it stands for, which ORT differentiates: ``scale * (x - mean) / sqrt(var + eps) +
+    bias`` over the spatial axes, with the biased variance, as the operator defines."""
+    import onnx
+    from onnx import helper
+
+    opset = next((o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 13 or not any(n.op_type == "InstanceNormalization" for n in graph.graph.node):
+        return  # before opset 13 Unsqueeze takes attributes: left as it is (ArtifactsError names it)
+    inferred = onnx.shape_inference.infer_shapes(graph)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim)
+             for v in (*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output)
+             if v.type.tensor_type.HasField("shape")}
+    nodes = []
+    for index, node in enumerate(graph.graph.node):
+        rank = ranks.get(node.input[0]) if node.op_type == "InstanceNormalization" else None
+        if rank is None or rank < 3:
+            nodes.append(node)
+            continue
+        x, scale, bias = node.input
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        p = f"{node.output[0]}.instance_norm{index}."
+        axes = list(range(2, rank))
+
+        def mean(source: str, target: str) -> list[Any]:  # opset 18 moved ReduceMean's axes to an input
+            if opset < 18:
+                return [helper.make_node("ReduceMean", [source], [target], axes=axes, keepdims=1)]
+            constant = helper.make_tensor(target + ".axes", onnx.TensorProto.INT64, [len(axes)], axes)
+            return [helper.make_node("Constant", [], [target + ".axes"], value=constant),
+                    helper.make_node("ReduceMean", [source, target + ".axes"], [target], keepdims=1)]
+
+        nodes += [
+            *mean(x, p + "mean"),
+            helper.make_node("Sub", [x, p + "mean"], [p + "centered"]),
+            helper.make_node("Mul", [p + "centered", p + "centered"], [p + "squared"]),
+            *mean(p + "squared", p + "var"),
+            helper.make_node("Constant", [], [p + "eps"], value=helper.make_tensor(p + "eps", 1, [], [eps])),
+            helper.make_node("Add", [p + "var", p + "eps"], [p + "var_eps"]),
+            helper.make_node("Sqrt", [p + "var_eps"], [p + "std"]),
+            helper.make_node("Div", [p + "centered", p + "std"], [p + "normed"]),
+            helper.make_node("Constant", [], [p + "axes"],
+                             value=helper.make_tensor(p + "axes", onnx.TensorProto.INT64, [rank - 2],
+                                                      list(range(1, rank - 1)))),
+            helper.make_node("Unsqueeze", [scale, p + "axes"], [p + "scale"]),
+            helper.make_node("Unsqueeze", [bias, p + "axes"], [p + "bias"]),
+            helper.make_node("Mul", [p + "normed", p + "scale"], [p + "scaled"]),
+            helper.make_node("Add", [p + "scaled", p + "bias"], [node.output[0]]),
+        ]
+    del graph.graph.node[:]
+    graph.graph.node.extend(nodes)
 
 
 _NO_GRADIENT = re.compile(r"gradient builder has not been registered: (\S+) for node (\S+)")

@@ -37,7 +37,7 @@ from lightning_ort_ckpt.export import export_onnx
 from lightning_ort_ckpt.format import load_checkpoint, save_checkpoint
 from lightning_ort_ckpt.plugin import read_lightning_checkpoint
 from lightning_ort_ckpt.translation import MANIFEST, values
-from lightning_ort_ckpt.translation.lightning import EXTRA_PREFIX, aliases_of
+from lightning_ort_ckpt.translation.lightning import EXTRA_PREFIX, ModuleInfo, aliases_of, to_ort
 from ort_reference import assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO, Act, Entry, FrozenStemCNN
 
@@ -357,3 +357,48 @@ def test_a_tied_file_ort_alone_wrote_loads_into_a_module(ort_trained: Any, tmp_p
     for module in (loaded, instance):
         for name in ("embed.weight", "head.weight"):
             assert_same_ort_tensor(module.state_dict()[name], alone["embed.weight"], name)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = torch.nn.LayerNorm(8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x + self.attn(x, x, x, need_weights=False)[0]).mean(1))
+
+
+GRADIENT_CASES = {
+    "group_norm": (lambda: torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.GroupNorm(2, 4),
+                                               torch.nn.Flatten(), torch.nn.Linear(64, 3)), (5, 1, 6, 6)),
+    "instance_norm": (lambda: torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.InstanceNorm2d(4, affine=True),
+                                                  torch.nn.Flatten(), torch.nn.Linear(64, 3)), (5, 1, 6, 6)),
+    "layer_norm_attention": (_Attention, (5, 4, 8)),
+}
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_orts_rewritten_graph_computes_torchs_loss_and_gradients(case: str, opset: int, tmp_path: Any) -> None:
+    """The graph changes make_training_artifacts makes (LayerNorm's extra outputs, InstanceNormalization written
+    out) keep the model's meaning: ORT's first loss and gradients are torch's, to float32 rounding."""
+    build, shape = GRADIENT_CASES[case]
+    torch.manual_seed(0)
+    model = build()
+    x, y = torch.randn(*shape), torch.tensor([0, 1, 2, 1, 0])
+    save_checkpoint(to_ort({"state_dict": model.state_dict()},
+                           ModuleInfo({n for n, _ in model.named_parameters()}, [])), tmp_path / "start.ckpt")
+    art = make_training_artifacts(model, tmp_path / "start.ckpt", tmp_path / "art", example_input=x[:2], opset=opset)
+    state = api.CheckpointState.load_checkpoint(art.checkpoint)
+    module = api.Module(art.training_model, state, art.eval_model)
+    module.train()
+    ort_loss = float(module(x.numpy(), y.numpy()))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    assert abs(ort_loss - loss.item()) < 1e-5
+    grads = {name: p.grad for name, p in state.parameters if p.requires_grad}
+    assert grads.keys() == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), atol=2e-6, rtol=1e-4, err_msg=name)
