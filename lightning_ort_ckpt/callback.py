@@ -115,6 +115,7 @@ class OrtCheckpointMixin:
         self._restored_monitor = False  # the value came with the checkpoint: stale until this run computes one
         self._link_target: str | None = None  # what last.ckpt points to once queued work is done
         self._in_batch_end = False
+        self._found_last: str | None = None  # what ckpt_path="last" resolved to in this fit: rotates as usual
         self._resume_rng: tuple[Any, Any] = (None, None)  # random states and epoch of the checkpoint resumed from
         self._monitor_value: Any = None
         self._monitor_step: int | None = None
@@ -161,6 +162,7 @@ class OrtCheckpointMixin:
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._found_last = None
         if self._io is not None:
             self._io.wait()  # every file durable and every error raised before fit returns
         if stage == "fit" and self.export_best_to is not None and trainer.is_global_zero:
@@ -317,18 +319,28 @@ class OrtCheckpointMixin:
             self._link_target = os.path.join(os.path.dirname(self.last_model_path), os.readlink(self.last_model_path))
         if self._link_target:  # never leave "last" dangling: its target goes only once the link has moved on
             keep.add(self._link_target)
-        if trainer.ckpt_path:
-            keep.add(os.fspath(trainer.ckpt_path))
+        resumed = os.fspath(trainer.ckpt_path) if trainer.ckpt_path else None
+        if resumed and os.path.abspath(resumed) != self._found_last:  # a file the user chose: never deleted
+            keep.add(resumed)
         if self.keep_newest is not None:
             keep.update(self._saved[-self.keep_newest:])
             self._to_delete.update(self._saved[:-self.keep_newest])
         for path in sorted(self._to_delete - keep):
-            if self._confined(path) and self._should_remove_checkpoint(  # type: ignore[attr-defined]
-                    trainer, path, self.last_model_path or ""):
+            if self._should_remove_checkpoint(trainer, path, self.last_model_path or ""):
                 trainer.strategy.remove_checkpoint(path)
             self._to_delete.discard(path)
             if path in self._saved:
                 self._saved.remove(path)
+
+    def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str) -> bool:
+        """Lightning's test (not the current file, inside ``dirpath``, not the file resumed from), with ``..`` and
+        links resolved first (:meth:`_confined`). The file ``ckpt_path="last"`` resolved to is one of ours and
+        rotates as in the uninterrupted run; a file the user named (a path, or ``"best"``) stays."""
+        if not self._confined(previous):
+            return False
+        if os.path.abspath(previous) == self._found_last:
+            return os.path.abspath(previous) != os.path.abspath(current)
+        return bool(super()._should_remove_checkpoint(trainer, previous, current))  # type: ignore[misc]
 
     def _confined(self, path: str) -> bool:
         """Whether this callback may delete ``path`` or make a link there or to it: a visible ``*.ckpt`` name in
@@ -369,6 +381,7 @@ class OrtCheckpointMixin:
         for path in sorted(candidates, key=lambda p: (_mtime(p), os.path.islink(p), p in lasts), reverse=True):
             problem = _unreadable(path) or _weights_only(path)
             if problem is None:
+                self._found_last = os.path.abspath(path)
                 return {path}
             warnings.warn(f"{path} cannot be resumed from ({problem}); trying the next newest checkpoint",
                           CheckpointWarning, stacklevel=2)
