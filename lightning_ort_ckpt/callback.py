@@ -401,6 +401,13 @@ class OrtCheckpointMixin:
             self._saved = [p for p in state_dict.get("saved", []) if self._confined(p) and os.path.exists(p)]
             unranked = state_dict.get("last_unranked", "")
             self._last_unranked = unranked if self._confined(unranked) else ""
+            named = [*self.best_k_models, self.kth_best_model_path, self.best_model_path,  # type: ignore[attr-defined]
+                     self.last_model_path, *state_dict.get("saved", []), unranked]  # type: ignore[attr-defined]
+            outside = sorted({p for p in named if p and not self._confined(p)})
+            if outside:
+                warnings.warn(f"the checkpoint's callback state names files that are not checkpoints inside dirpath "
+                              f"{self.dirpath!r}: {', '.join(outside)}; they will never be deleted or linked",
+                              CheckpointWarning, stacklevel=2)
 
 
 def _mtime(path: str) -> float:

@@ -79,7 +79,10 @@ def test_crafted_callback_state_never_deletes_outside_dirpath(tmp_path: Any, mon
         OrtCheckpointIO().save_checkpoint(checkpoint, crafted)
 
     cb = callback()
-    trainer = _fit(cb, 5, vals, ckpt_path=crafted)
+    with pytest.warns(CheckpointWarning, match=r"never be deleted or linked") as record:
+        trainer = _fit(cb, 5, vals, ckpt_path=crafted)
+    message = next(str(w.message) for w in record if "never be deleted" in str(w.message))
+    assert all(p in message for p in (dotdot, absolute, escaped))
     atomic.wait_for_cleanup()
     assert trainer.global_step == 5 * STEPS_PER_EPOCH
     # rotation did drop every crafted path from the ranking ...
