@@ -13,11 +13,16 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
   computed. When validation computes it right after this very step (the last batch of an epoch), the save waits for
   it instead. Every file records the step its monitored value comes from (``current_score_step`` in its state).
 - **Keep the newest N** (``keep_newest``, ORT's ``max_num_checkpoints``) next to the top-k by metric. Nothing in the
-  top k, the best file, the last file or the file training resumed from is ever deleted, and nothing is deleted
-  before the new file is durable.
+  top k, the best file, the last file or a file training was told to resume from is ever deleted, nothing before
+  the new file is durable, and nothing but a checkpoint inside ``dirpath`` (``..`` and links resolved; paths
+  restored from a file are not trusted further).
+- **Saves where ModelCheckpoint saves**: a validation value that closes an epoch is ranked at ``on_train_epoch_end``
+  when ``save_on_train_epoch_end`` resolves to True, so the file holds ModelCheckpoint's loop state and resumes
+  the same way (EarlyStopping, a second ``fit`` on the same Trainer). A file of a ModelCheckpoint with the same
+  monitor, mode and triggers hands its ranking over on resume.
 - **Asynchronous saving** (``async_save=True``): training goes on while the file is written; see OrtCheckpointIO.
-- **"last" falls back**: if the newest checkpoint in ``dirpath`` is unreadable, ``ckpt_path="last"`` resumes from
-  the newest valid one, with a warning.
+- **"last" falls back**: ``ckpt_path="last"`` resumes from the newest checkpoint in ``dirpath`` that can resume a
+  fit, skipping (with a warning) unreadable and weights-only files.
 - **Exact resume from any save point**: the random states are applied again at ``on_train_start`` when a checkpoint
   saved inside its epoch (at validation end, or mid-epoch) resumes, which the plugin alone cannot do.
 - ``include_optimizer_state=False`` writes parameters only (small deploy files), like ORT's flag of that name; it is
