@@ -31,7 +31,7 @@ from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.format import atomic
 from lightning_ort_ckpt.plugin import is_ort_checkpoint, read_lightning_checkpoint
 
-VALS = [3.0, 2.0, 2.5, 1.0, 1.5, 1.6, 1.7, 1.8]
+VALS = [3.0, 2.0, 2.5, 1.0, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0]
 STOP = 10  # interrupted in epoch 2, after the epoch-1 save (step 8)
 END = 24  # EarlyStopping ends every run here
 
@@ -80,7 +80,9 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g))
 
 
-def make_trainer(cls: type, directory: str, stop: int | None = None, **kwargs: Any) -> pl.Trainer:
+def make_trainer(cls: type, directory: str, stop: int | None = None, *, companions: bool = True,
+                 **kwargs: Any) -> pl.Trainer:
+    """``cls`` with ``kwargs``; with ``companions``, EarlyStopping, LearningRateMonitor and the interruption too."""
     pl.seed_everything(0, verbose=False)
     # EarlyStopping checks where the checkpoints are saved (a resume from a validation-end file runs that epoch's
     # end again, with no metrics: Lightning's own behaviour, ModelCheckpoint's as much as ours)
@@ -88,7 +90,7 @@ def make_trainer(cls: type, directory: str, stop: int | None = None, **kwargs: A
     callbacks = [cls(dirpath=directory, **kwargs), stopper, LearningRateMonitor(), Interrupt(stop)]
     return pl.Trainer(accelerator="cpu", devices=1, logger=CSVLogger(directory + "-logs"), max_epochs=len(VALS),
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      callbacks=callbacks)
+                      callbacks=callbacks if companions else callbacks[:1])
 
 
 def fit(trainer: pl.Trainer, model: Net | None = None, ckpt_path: str | None = None) -> Net:
@@ -121,8 +123,8 @@ def run(cls: type, directory: str, how: str, **kwargs: Any) -> dict[str, Any]:
 def observe(trainer: pl.Trainer, directory: str) -> dict[str, Any]:
     atomic.wait_for_cleanup()
     cb, stopper = trainer.checkpoint_callback, trainer.early_stopping_callback
-    (lr_monitor,) = [c for c in trainer.callbacks if isinstance(c, LearningRateMonitor)]
-    assert cb is not None and stopper is not None
+    lr_monitors = [c for c in trainer.callbacks if isinstance(c, LearningRateMonitor)]
+    assert cb is not None
 
     def rel(p: str) -> str:
         return os.path.relpath(p, directory) if p else p
@@ -140,8 +142,8 @@ def observe(trainer: pl.Trainer, directory: str) -> dict[str, Any]:
         "global_step": trainer.global_step, "epoch": trainer.current_epoch,
         "fit_loop": trainer.fit_loop.state_dict(),
         "stored_loop": _load(last)["loops"] if os.path.exists(last) else None,
-        "early_stopping": (stopper.wait_count, stopper.stopped_epoch, val(stopper.best_score)),
-        "learning_rates": {k: [float(v) for v in vs] for k, vs in lr_monitor.lrs.items()},
+        "early_stopping": stopper and (stopper.wait_count, stopper.stopped_epoch, val(stopper.best_score)),
+        "learning_rates": [{k: [float(v) for v in vs] for k, vs in m.lrs.items()} for m in lr_monitors],
         "weights": {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()},
     }
 
@@ -202,6 +204,24 @@ def test_epoch_end_save_holds_model_checkpoints_loop_state(tmp_path: Any) -> Non
         {"ready": 2, "started": 2, "processed": 2, "completed": 1}
     assert ours["callbacks"][next(k for k in ours["callbacks"] if k.startswith("EarlyStopping"))] == \
         theirs["callbacks"][next(k for k in theirs["callbacks"] if k.startswith("EarlyStopping"))]
+
+
+@pytest.mark.parametrize("which", ["last", "best"])
+def test_second_fit_on_the_same_trainer_trains_on(tmp_path: Any, which: str) -> None:
+    """The README's pattern, as the issue measured it: a fit of 5 epochs (step 20), then, with more epochs allowed,
+    ``fit(ckpt_path="last" | "best")`` on the same Trainer trains on to step 40, as with ModelCheckpoint."""
+    seen = {}
+    for cls in (ModelCheckpoint, OrtCheckpoint):
+        directory = str(tmp_path / cls.__name__)
+        trainer = make_trainer(cls, directory, companions=False, monitor="val_loss", save_top_k=2, save_last=True)
+        trainer.fit_loop.max_epochs = 5
+        model = fit(trainer)
+        assert trainer.global_step == 20
+        trainer.fit_loop.max_epochs = 10
+        fit(trainer, model, ckpt_path=which)
+        assert trainer.global_step == 40
+        seen[cls] = observe(trainer, directory)
+    assert_same(seen[OrtCheckpoint], seen[ModelCheckpoint])
 
 
 # Our improvements differ from ModelCheckpoint on purpose; a resume must still leave what the uninterrupted run does.
