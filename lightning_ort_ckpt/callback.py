@@ -440,8 +440,11 @@ def _weights_only(path: str) -> str | None:
     files, by the Lightning keys their manifest lists; for torch zip files, by the key's name in the pickle's bytes
     (read, never unpickled). Files ORT wrote alone, and other files, are taken on trust."""
     if is_ort_checkpoint(path):
-        with open_checkpoint(path) as reader:
-            manifest = reader.properties.get(MANIFEST)
+        try:
+            with open_checkpoint(path) as reader:
+                manifest = reader.properties.get(MANIFEST)
+        except CheckpointError as e:
+            return str(e).removeprefix(f"{path}: ")
         if not isinstance(manifest, str):
             return None  # written by ORT alone: the plugin builds its optimizer state
         try:
