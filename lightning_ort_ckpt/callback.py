@@ -124,6 +124,10 @@ class OrtCheckpointMixin:
             raise CheckpointError(f"this OrtCheckpoint is for the other copy of Lightning than the Trainer's "
                                   f"({ns.trainer.__name__}; pytorch_lightning and lightning.pytorch do not mix): use "
                                   f"OrtCheckpoint from {right}")
+        if self.export_best_to is not None and stage == "fit":
+            from .export import check_export_config
+
+            check_export_config(pl_module, self.export_tolerance)
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         io = lightning_compat.raw_checkpoint_io(trainer.strategy)
         if isinstance(io, OrtCheckpointIOMixin):

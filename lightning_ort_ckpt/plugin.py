@@ -308,6 +308,21 @@ class _OptimizerStatesFromOrt(Sequence):
         return iter(self._states())
 
 
+def read_any_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Lightning checkpoint dict of an ORT file or of a torch ``.ckpt`` (Lightning's own format, loaded with
+    ``weights_only=True``: no code in it runs), for export and artifacts."""
+    if is_ort_checkpoint(path):
+        return read_lightning_checkpoint(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for foreign or damaged files
+        raise CorruptCheckpointError(f"neither an ORT checkpoint nor a torch checkpoint that loads with "
+                                     f"weights_only=True ({type(e).__name__}: {e})", os.fspath(path)) from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CorruptCheckpointError("a torch file, but not a Lightning checkpoint (no 'state_dict')", os.fspath(path))
+    return checkpoint
+
+
 def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
     """An ORT file as Lightning's loader returns a checkpoint (for ``load_from_checkpoint`` and the spawn launcher's
     weights hand-back, see ``lightning_compat.install_ort_loader``): no random states restored, none left in."""
