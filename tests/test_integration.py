@@ -257,3 +257,4 @@ def test_private_lightning_names_exist(package) -> None:
     missing = [name for name in MODEL_CHECKPOINT_PRIVATE if not hasattr(package.callbacks.ModelCheckpoint, name)]
     assert not missing, f"{package.__name__} {package.__version__} lacks {missing}"
     assert "save_on_exception" in package.callbacks.ModelCheckpoint.__init__.__code__.co_varnames
+
