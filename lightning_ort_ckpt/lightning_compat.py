@@ -7,7 +7,7 @@ smoke tests on the floor, the whole suite runs on the newest.
 Three kinds of use:
 
 - **reads** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`, :func:`validation_follows`,
-  :func:`trainer_of`): functions here;
+  :func:`trainer_of`) and of the fit loop's private state layout (:func:`fit_loop_state_at_step`): functions here;
 - **overrides and calls** of ``ModelCheckpoint``'s private methods by ``OrtCheckpoint``: listed in
   :data:`MODEL_CHECKPOINT_PRIVATE` (the tests check that every supported Lightning has them);
 - **the one wrap** of a Lightning function, :func:`install_ort_loader`: Lightning's torch loader (``_load``, bound
@@ -21,6 +21,7 @@ Three kinds of use:
 
 from __future__ import annotations
 
+import copy
 import importlib.abc
 import importlib.machinery
 import os
@@ -78,6 +79,17 @@ def validation_follows(trainer: Any) -> bool | None:
 def trainer_of(module: Any) -> Any:
     """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none)."""
     return module._trainer
+
+
+def fit_loop_state_at_step(fit_loop: Any, step: int) -> dict[str, Any]:
+    """A fresh fit loop's state with ``step`` optimizer steps done: Lightning derives ``global_step`` from these
+    counters, not from the checkpoint's ``global_step`` key."""
+    state = copy.deepcopy(fit_loop.state_dict())
+    state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"].update(
+        ready=step, completed=step)
+    state["epoch_loop.manual_optimization.optim_step_progress"]["total"].update(ready=step, completed=step)
+    state["epoch_loop.state_dict"]["_batches_that_stepped"] = step
+    return state
 
 
 # -- the loader wrap --------------------------------------------------------------------------------------------

@@ -257,20 +257,10 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
                   f"global_step is its optimizer step ({step}), the epoch starts at 0, and learning-rate schedulers "
                   "and callbacks start fresh", CheckpointWarning, stacklevel=3)
     if strategy is not None and strategy.lightning_module is not None:
-        checkpoint["loops"] = {"fit_loop": _fit_loop_at_step(strategy.lightning_module.trainer.fit_loop, step)}
+        checkpoint["loops"] = {"fit_loop": lightning_compat.fit_loop_state_at_step(
+            strategy.lightning_module.trainer.fit_loop, step)}
         checkpoint["optimizer_states"] = _OptimizerStatesFromOrt(ck, strategy)
     return checkpoint
-
-
-def _fit_loop_at_step(fit_loop: Any, step: int) -> dict[str, Any]:
-    """A fresh fit loop's state with ``step`` optimizer steps done: Lightning derives ``global_step`` from these
-    counters, not from the checkpoint's ``global_step`` key."""
-    state = copy.deepcopy(fit_loop.state_dict())
-    state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"].update(
-        ready=step, completed=step)
-    state["epoch_loop.manual_optimization.optim_step_progress"]["total"].update(ready=step, completed=step)
-    state["epoch_loop.state_dict"]["_batches_that_stepped"] = step
-    return state
 
 
 class _OptimizerStatesFromOrt(Sequence):
@@ -377,15 +367,8 @@ def _map_location(checkpoint: dict[str, Any], map_location: Any) -> dict[str, An
 
 class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):
     """A Lightning ``CheckpointIO`` writing ONNX Runtime training checkpoints, for ``pytorch_lightning`` Trainers
-    (``lightning_ort_ckpt.lightning.OrtCheckpointIO`` is the one for ``lightning.pytorch``).
-
-    Args:
-        external_data: where tensor bytes go, as in :func:`lightning_ort_ckpt.save_checkpoint`: ``"auto"`` (one file
-            unless it would pass 2 GiB), ``"never"``, ``"params"`` or ``"all"``.
-        ort_compatible: store float16/bfloat16/float8 tensors as float32, which ORT 1.19.2 can load (it cannot load
-            the narrow types). Lossless for Lightning: the original dtypes are recorded and restored.
-        async_save: write in the background; training goes on once the tensors are copied off its memory.
-    """
+    (``lightning_ort_ckpt.lightning.OrtCheckpointIO`` is the one for ``lightning.pytorch``); arguments as in
+    :class:`OrtCheckpointIOMixin`."""
 
 
 def plugin_class_for(ns: Namespace) -> type[OrtCheckpointIOMixin]:
