@@ -48,8 +48,8 @@ from .format import open_checkpoint
 from .format.writer import ExternalData
 from .namespaces import loaded, namespace_of
 from .translation.lightning import MANIFEST
-from . import rng
-from .plugin import RNG_KEY, OrtCheckpointIO, is_ort_checkpoint, plugin_class_for
+from . import lightning_compat, rng
+from .plugin import RNG_KEY, OrtCheckpointIOMixin, is_ort_checkpoint, plugin_class_for
 
 
 class OrtCheckpointMixin:
@@ -124,21 +124,30 @@ class OrtCheckpointMixin:
         self._resume_rng: tuple[Any, Any] = (None, None)  # random states and epoch of the checkpoint resumed from
         self._monitor_value: Any = None
         self._monitor_step: int | None = None
-        self._io: OrtCheckpointIO | None = None
+        self._io: OrtCheckpointIOMixin | None = None
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        ns = namespace_of(trainer)
+        if not isinstance(self, ns.attr("callbacks.Callback")):  # the Trainer would add its own ModelCheckpoint
+            right = "lightning_ort_ckpt.lightning" if ns.trainer.__name__ == "lightning.pytorch" else "lightning_ort_ckpt"
+            raise CheckpointError(f"this OrtCheckpoint is for the other copy of Lightning than the Trainer's "
+                                  f"({ns.trainer.__name__}; pytorch_lightning and lightning.pytorch do not mix): use "
+                                  f"OrtCheckpoint from {right}")
+        if self.export_best_to is not None and stage == "fit":
+            from .export import check_export_config
+
+            check_export_config(pl_module, self.export_tolerance)
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
-        io = trainer.strategy.__dict__.get("_checkpoint_io")
-        if isinstance(io, OrtCheckpointIO):
+        io = lightning_compat.raw_checkpoint_io(trainer.strategy)
+        if isinstance(io, OrtCheckpointIOMixin):
             self._io = io
             mine = (self.external_data, self.ort_compatible, self.async_save)
             if mine != ("auto", False, False) and mine != (io.external_data, io.ort_compatible, io.async_save):
                 warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible and "
                               "async_save apply, not those given to OrtCheckpoint", CheckpointWarning, stacklevel=2)
         elif io is None or type(io) in {ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in loaded()}:
-            self._io = plugin_class_for(namespace_of(trainer))(self.external_data, self.ort_compatible,
-                                                               self.async_save)
+            self._io = plugin_class_for(ns)(self.external_data, self.ort_compatible, self.async_save)
             trainer.strategy.checkpoint_io = self._io
         else:
             raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "
@@ -291,12 +300,12 @@ class OrtCheckpointMixin:
         if not (sum(batches) if isinstance(batches, list) else batches):
             return False
         loop = trainer.fit_loop
-        try:
-            return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
-        except AttributeError:  # another Lightning version: ModelCheckpoint's own rule, the epoch's last batch
+        follows = lightning_compat.validation_follows(trainer)
+        if follows is None:  # another Lightning version: ModelCheckpoint's own rule, the epoch's last batch
             every = trainer.check_val_every_n_epoch
             return bool(getattr(loop.epoch_loop.batch_progress, "is_last_batch", False)) and (
                 every is None or (trainer.current_epoch + 1) % every == 0)
+        return follows
 
     # -- saving, retention, links -------------------------------------------------------------------------------
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -374,7 +383,7 @@ class OrtCheckpointMixin:
         """For ``ckpt_path="last"``: the newest checkpoint in ``dirpath`` that can resume a fit, skipping damaged and
         weights-only files (and sub-folders only where ``filename`` makes them, with a "/")."""
         lasts = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
-        directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)  # type: ignore[attr-defined]  # as Lightning does
+        directory = lightning_compat.resolve_ckpt_dir(self, trainer)  # as Lightning does
         candidates = set(lasts)
         if directory and os.path.isdir(directory):
             nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # type: ignore[attr-defined]

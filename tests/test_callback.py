@@ -600,7 +600,7 @@ def test_lightning_packages(tmp_path: Any, package: str, explicit_plugin: bool) 
     kwargs: dict[str, Any] = {"plugins": [Plugin(external_data="params")]} if explicit_plugin else {}
     trainer = fit(cb, 2, trainer_module=trainer_module, net_class=make_net_class(trainer_module.LightningModule),
                   **kwargs)
-    assert isinstance(trainer.strategy.checkpoint_io, OrtCheckpointIO)
+    assert type(trainer.strategy.checkpoint_io) is Plugin  # the named class of that copy of Lightning
     assert cb._io is trainer.strategy.checkpoint_io
     if explicit_plugin:
         assert cb._io is kwargs["plugins"][0]  # the callback writes through the plugin it was given
