@@ -35,7 +35,7 @@ import torch
 
 from .errors import CheckpointError
 from .format import load_checkpoint, save_checkpoint
-from .plugin import is_ort_checkpoint, read_lightning_checkpoint
+from .plugin import is_ort_checkpoint, read_any_checkpoint
 from .translation.lightning import ModuleInfo, to_ort, trainable_set, with_aliases
 
 ORT_MAX_IR_VERSION = 10  # onnxruntime-training 1.19.2
@@ -76,7 +76,7 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
     from onnxruntime.training import artifacts
 
     checkpoint, directory = os.fspath(checkpoint), os.fspath(directory)
-    state = read_lightning_checkpoint(checkpoint)
+    state = read_any_checkpoint(checkpoint)
     module = _load_module(model, checkpoint, state)
     narrow = {n: p.dtype for n, p in module.named_parameters() if p.is_floating_point() and p.element_size() < 4}
     if narrow:
