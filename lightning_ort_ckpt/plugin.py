@@ -45,7 +45,7 @@ from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpo
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
 from .namespaces import Namespace, loaded, namespace_of
-from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort
+from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort, with_aliases
 from .translation.optimizers import torch_state_from_ort
 
 RNG_KEY = "lightning_ort_ckpt.rng_states"
@@ -244,7 +244,8 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
 
     A file ORT alone wrote carries no loop progress and no optimizer hyperparameters: with the ``strategy`` of the
     run that resumes it, loop progress is set to ORT's optimizer step and ``optimizer_states`` is built from ORT's
-    moments and the live optimizers; without one the dict holds the weights only.
+    moments and the live optimizers, and the module's tied parameters get their other names back (ORT stores a tied
+    tensor once); without one the dict holds the weights only.
     """
     path = os.fspath(path)
     ck = load_checkpoint(path)
@@ -257,6 +258,7 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
                   f"global_step is its optimizer step ({step}), the epoch starts at 0, and learning-rate schedulers "
                   "and callbacks start fresh", CheckpointWarning, stacklevel=3)
     if strategy is not None and strategy.lightning_module is not None:
+        checkpoint["state_dict"] = with_aliases(checkpoint["state_dict"], strategy.lightning_module)
         checkpoint["loops"] = {"fit_loop": lightning_compat.fit_loop_state_at_step(
             strategy.lightning_module.trainer.fit_loop, step)}
         checkpoint["optimizer_states"] = _OptimizerStatesFromOrt(ck, strategy)
