@@ -71,7 +71,9 @@ def loader(width: int) -> DataLoader:
 
 
 def make_trainer(callbacks: list[pl.Callback]) -> pl.Trainer:
+    """Without an OrtCheckpoint in ``callbacks``, no checkpointing at all (not Lightning's default in the cwd)."""
     return pl.Trainer(max_steps=MAX_STEPS, callbacks=callbacks, accelerator="cpu", devices=1, logger=False,
+                      enable_checkpointing=any(isinstance(c, OrtCheckpoint) for c in callbacks),
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       val_check_interval=3, limit_val_batches=4)
 
