@@ -43,6 +43,7 @@ pytestmark = [
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WIDTH, LAYERS = 1024, 4  # 4 x 4.2 M float32 parameters: 16.8 MB of weights, ~50 MB per file with AdamW state
+HOST_BOOT = "[0-9a-f]{8}-[0-9a-f]{8}"  # the host and boot tag in every temporary name
 CHILD_MAX_STEPS = 8  # the child is killed long before (at its second or third step)
 
 
@@ -132,7 +133,7 @@ def kill_while_saving(proc: subprocess.Popen, directory: Path, nth: int, timeout
 
     Returns the checkpoint name that file was for, and its size when the kill was sent.
     """
-    tmp_re = re.compile(rf"^\.(.+\.ckpt(?:\.data)?)\.{proc.pid}\.[0-9a-f]+\.tmp$")
+    tmp_re = re.compile(rf"^\.(.+\.ckpt(?:\.data)?)\.{HOST_BOOT}\.{proc.pid}\.[0-9a-f]+\.tmp$")
     seen: dict[str, int] = {}  # temporary files in the order they appeared, with their last size
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
@@ -234,7 +235,7 @@ def test_sigkill_during_callback_save(tmp_path: Path, case: str) -> None:
 
 def orphaned_retired_files(directory: Path, pid: int) -> list[str]:
     """Retired files ``.<name>.<pid>.<hex>.old`` of process ``pid`` whose checkpoint ``name`` is gone."""
-    pattern = re.compile(rf"^\.(.+)\.{pid}\.[0-9a-f]+\.old$")
+    pattern = re.compile(rf"^\.(.+)\.{HOST_BOOT}\.{pid}\.[0-9a-f]+\.old$")
     return sorted(n for n in os.listdir(directory)
                   if (m := pattern.match(n)) and not (directory / m.group(1)).exists())
 

@@ -28,6 +28,7 @@ from lightning_ort_ckpt.format import atomic
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MODES = ["never", "params"]  # inline, and parameters in <path>.data
+HOST_BOOT = "[0-9a-f]{8}-[0-9a-f]{8}"  # the host and boot tag in every temporary name
 BIG_SIDE = 8192  # the big checkpoint: one 8192 x 8192 float32 tensor = 256 MiB
 
 
@@ -70,6 +71,15 @@ def expected(seed: int) -> Checkpoint:
 
 def files_of(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every name in ``directory`` with its inode, mtime and contents: what "changes nothing" compares."""
+    out = {}
+    for p in sorted(directory.iterdir()):
+        st = p.lstat()
+        out[p.name] = (st.st_ino, st.st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+    return out
 
 
 def leftovers(directory: Path, pid: int | None = None) -> list[str]:
@@ -143,7 +153,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, mode):
     if line != "A saved\n":
         out, err = finish(proc)
         pytest.fail(f"child failed before the big save: {line}{out}\n{err}")
-    tmp_re = re.compile(rf"^\.{re.escape(path.name)}(\.data)?\.{proc.pid}\.[0-9a-f]+\.tmp$")
+    tmp_re = re.compile(rf"^\.{re.escape(path.name)}(\.data)?\.{HOST_BOOT}\.{proc.pid}\.[0-9a-f]+\.tmp$")
     seen: dict[str, int] = {}
     killed_at = None
     deadline = time.monotonic() + 60
@@ -223,11 +233,18 @@ def test_sigkill_inside_external_data_commit(tmp_path, stage):
         on_disk = (path.read_bytes(), data_file(path).read_bytes())
         assert on_disk == {"after-journal": (a_ckpt, a_data), "after-data": (a_ckpt, b_data),
                            "after-checkpoint": (b_ckpt, b_data)}[stage]
-        # Opening completes the commit: the NEW checkpoint with its NEW .data, never a mix.
+        # Readers change nothing: they read the whole pair the journal describes, never a mix. Until the new
+        # .data is in place that is the OLD pair (A); from then on the NEW one (B), its .ckpt still a temporary.
+        before = snapshot(tmp_path)
+        seen = "checkpoint-1" if stage == "after-journal" else "checkpoint-2"
         with open_checkpoint(path) as r:
-            assert r.properties["tag"] == "checkpoint-2"
+            assert r.properties["tag"] == seen
             for info in r.tensors():
                 r.torch(info)
+        assert_same_checkpoint(load_checkpoint(path), expected(1 if stage == "after-journal" else 2))
+        assert snapshot(tmp_path) == before and journal.exists()
+        # The next writer (here: the explicit repair) completes the commit: B, whole.
+        assert atomic.repair(path) is True
         assert not journal.exists()
         want_ckpt, want_data, want = b_ckpt, b_data, expected(2)
     assert path.read_bytes() == want_ckpt and data_file(path).read_bytes() == want_data
