@@ -346,7 +346,7 @@ def _lock_file_is_stale(name: str) -> bool:
     except OSError:
         return False  # gone already: try again
     m = re.fullmatch(r"(?P<host>[0-9a-f]{8})-(?P<boot>[0-9a-f]{8})\.(?P<pid>\d+)", owner)
-    return age > LOCK_STALE_S or bool(m and _dead(m))
+    return age > LOCK_STALE_S or (m is not None and _dead(m) is True)
 
 
 # -- recovery (writers only) ----------------------------------------------------------------------------------------
@@ -507,24 +507,27 @@ def _sweep_stale(directory: str) -> None:
     with os.scandir(directory) as entries:
         for entry in entries:
             m = _LEFTOVER.match(entry.name)
-            if m is not None and m.group("host") == _HOST and _dead(m):
-                _UNLINKER.put(entry.path)
-            elif m is not None or _OLD_LEFTOVER.match(entry.name):
+            dead = _dead(m) if m is not None else None if _OLD_LEFTOVER.match(entry.name) else False
+            if dead is None:  # we cannot tell: only by age
                 with contextlib.suppress(OSError):
                     st = entry.stat(follow_symlinks=False)
-                    if now - max(st.st_mtime, st.st_ctime) > STALE_AGE_S:
-                        _UNLINKER.put(entry.path)
+                    dead = now - max(st.st_mtime, st.st_ctime) > STALE_AGE_S
+            if dead:
+                _UNLINKER.put(entry.path)
 
 
-def _dead(m: re.Match[str]) -> bool:
-    """Whether the process a token of this host names has certainly ended."""
+def _dead(m: re.Match[str]) -> bool | None:
+    """Whether the process a token names has ended: True, False, or None where we cannot tell (another host, or
+    no way to probe a pid here)."""
     if m.group("host") != _HOST:
-        return False
-    if m.group("boot") != _BOOT:
-        return _BOOT != "0" * 8  # an earlier boot of this machine: all its processes are gone
+        return None
+    if m.group("boot") != _BOOT:  # an earlier boot of this machine: all its processes are gone
+        return True if _BOOT != "0" * 8 else None
     pid = int(m.group("pid"))
-    if pid == os.getpid() or os.name != "posix" or portable_io():  # elsewhere os.kill would kill, not probe
+    if pid == os.getpid():
         return False
+    if os.name != "posix" or portable_io():  # elsewhere os.kill would kill, not probe
+        return None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
