@@ -233,3 +233,28 @@ def test_two_writers_on_one_path_leak_nothing(tmp_path: Path, lock: str) -> None
     assert leftovers(tmp_path) == [], os.listdir(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["model.ckpt", "model.ckpt.data"]
     assert len(seeds_in(load_checkpoint(path))) == 1
+
+
+# -- the portable lock file -------------------------------------------------------------------------------------------
+def test_lock_file_of_a_dead_writer_is_taken_over_and_a_live_one_waited_for(tmp_path: Path, monkeypatch) -> None:
+    """Portable I/O: no flock, the lock file. One left by a writer that died in an earlier boot of this host is taken
+    over at once (without probing pids); one held by a live process is waited for, then reported."""
+    monkeypatch.setenv(PORTABLE_IO_ENV, "1")
+    path = tmp_path / "model.ckpt"
+    lock = tmp_path / atomic.LOCK_NAME
+    earlier_boot = "f" * 8 if atomic._BOOT != "f" * 8 else "e" * 8
+    lock.write_text(f"{atomic._HOST}-{earlier_boot}.{os.getpid()}")  # a writer of this host, before a crash
+    save_checkpoint(state(1), path, external_data="params")
+    assert not lock.exists() and seeds_in(load_checkpoint(path)) == {1.0}
+
+    lock.write_text(f"{atomic._HOST}-{atomic._BOOT}.{os.getppid()}")  # a live writer holds it
+    monkeypatch.setattr(atomic, "LOCK_WAIT_S", 0.3)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(state(2), path, external_data="params")
+    assert atomic.LOCK_NAME in str(info.value) and "delete it" in str(info.value), info.value
+    atomic.wait_for_cleanup()
+    assert leftovers(tmp_path) == [atomic.LOCK_NAME], os.listdir(tmp_path)  # the waiting save left nothing
+    assert seeds_in(load_checkpoint(path)) == {1.0}
+    lock.unlink()
+    save_checkpoint(state(2), path, external_data="params")
+    assert seeds_in(load_checkpoint(path)) == {2.0} and not lock.exists()

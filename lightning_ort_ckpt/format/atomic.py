@@ -49,8 +49,8 @@ DATA_SUFFIX = ".data"
 JOURNAL_SUFFIX = ".commit"
 LOCK_NAME = ".ort_ckpt.lock"  # the writers' lock file, where the directory itself cannot be locked
 STALE_AGE_S = 7 * 24 * 3600  # leftovers of other hosts, or named as older versions did, go only after this long
-LOCK_STALE_S = 600.0  # a lock file this old is a dead writer's: a commit holds it for milliseconds
-LOCK_WAIT_S = 600.0  # how long a writer waits for another writer's commit before it gives up
+LOCK_STALE_S = 120.0  # a lock file this old is a dead writer's: a commit holds it for milliseconds
+LOCK_WAIT_S = 300.0  # how long a writer waits for another writer's commit before it gives up
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO must not hang
 _OPEN_ATTEMPTS = 100  # a reader retries this often (with growing sleeps, ~3 s in all) while saves race it
 
