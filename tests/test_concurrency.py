@@ -20,11 +20,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from test_crash_safety import snapshot
 
 from lightning_ort_ckpt import CheckpointError
 from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
@@ -61,14 +62,6 @@ def seeds_in(ck: Checkpoint) -> set[float]:
     for t in tensors:
         values.update(torch.unique(t).tolist())
     return values
-
-
-def snapshot(directory: Path) -> dict[str, tuple[int, int, bytes]]:
-    out = {}
-    for p in sorted(directory.iterdir()):
-        st = p.lstat()
-        out[p.name] = (st.st_ino, st.st_mtime_ns, p.read_bytes() if p.is_file() else b"")
-    return out
 
 
 def leftovers(directory: Path) -> list[str]:

@@ -432,7 +432,7 @@ def test_enospc_writing_the_journal_removes_both_temporaries(tmp_path, monkeypat
     assert_same_checkpoint(load_checkpoint(path), expected(1))
 
 
-# -- the durability order, seen from inside and by strace ---------------------------------------------------------------
+# -- the durability order, seen from inside and by strace ----------------------------------------------------------
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to name an fsync's file")
 def test_directories_a_save_creates_are_made_durable(tmp_path, monkeypatch):
     events = []

@@ -424,7 +424,8 @@ def repair(path: str | os.PathLike[str]) -> bool:
 
 # -- reading --------------------------------------------------------------------------------------------------------
 def open_pair(path: str) -> tuple[int, int | None]:
-    """Open ``path`` and its ``.data`` (None when there is no such regular file) as one consistent pair, changing nothing on disk.
+    """Open ``path`` and its ``.data`` (None when there is no such regular file) as one consistent pair, changing
+    nothing on disk.
 
     While a commit is in progress, or after a writer died in one, the journal says which files make a whole pair:
     the old pair until the new ``.data`` is in place, then the new ``.ckpt`` (still under its temporary name) with it.
