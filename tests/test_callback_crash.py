@@ -155,8 +155,8 @@ def kill_while_saving(proc: subprocess.Popen, directory: Path, nth: int | str,
                 size = entry.stat().st_size
             except FileNotFoundError:  # committed (renamed) in the meantime
                 continue
-            wanted = m.group(1) == nth if isinstance(nth, str) else list(seen).index(entry.name) == nth - 1
-            if entry.name in seen and wanted and seen[entry.name] < size:
+            if entry.name in seen and seen[entry.name] < size and (
+                    m.group(1) == nth if isinstance(nth, str) else list(seen).index(entry.name) == nth - 1):
                 proc.send_signal(signal.SIGKILL)
                 return m.group(1), size
             seen[entry.name] = size
