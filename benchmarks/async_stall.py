@@ -24,8 +24,8 @@ disk and must not land in a timed save. The median (and min/max) over ``--saves`
 the ratio async stall / sync stall (target: under 10%).
 
 The breakdown times each part of an asynchronous save separately, on the same state, median of a few repetitions:
-Lightning's ``dump_checkpoint``, the plugin's owner lookup (``_owner_strategy``: ``gc.get_referrers`` over the
-heap), ``ModuleInfo.from_module``, RNG capture, ``to_ort``, and the staging copy (``OrtCheckpointIO._stage``: into
+Lightning's ``dump_checkpoint``, the plugin's owner lookup (``_owner_strategy``: the strategy bound in ``setup``),
+``ModuleInfo.from_module``, RNG capture, ``to_ort``, and the staging copy (``OrtCheckpointIO._stage``: into
 the previous save's buffers once that save is written, else fresh CPU memory),
 next to a plain copy of the same tensors into fresh and into reused memory. ``--cprofile`` adds a cProfile of one
 async save call.
@@ -211,11 +211,6 @@ def breakdown(trainer: pl.Trainer, plugin: OrtCheckpointIO, reps: int) -> dict[s
     for _ in range(reps):
         checkpoint = timed("lightning dump_checkpoint", lambda: trainer._checkpoint_connector.dump_checkpoint(False))
         timed("plugin _owner_strategy (as in a save)", lambda: plugin._owner_strategy(checkpoint["state_dict"]))
-        if hasattr(plugin, "_owner"):  # the library caches the owner after its first lookup: time the heap search
-            cached, plugin._owner = plugin._owner, None
-            timed("  its first-save heap search (gc.get_referrers)",
-                  lambda: plugin._owner_strategy(checkpoint["state_dict"]))
-            plugin._owner = cached
         info = timed("ModuleInfo.from_module", lambda: ModuleInfo.from_module(module, list(strategy.optimizers)))
         states = timed("rng.capture", rng.capture)
         ck = timed("to_ort", lambda: to_ort({**checkpoint, RNG_KEY: states}, info,

@@ -27,7 +27,7 @@ import torch
 
 from .errors import CheckpointError
 from .format import load_checkpoint, save_checkpoint
-from .plugin import is_ort_checkpoint, read_lightning_checkpoint
+from .plugin import is_ort_checkpoint, read_any_checkpoint
 from .translation.lightning import ModuleInfo, to_ort
 
 ORT_MAX_IR_VERSION = 10  # onnxruntime-training 1.19.2
@@ -68,7 +68,7 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
     from onnxruntime.training import artifacts
 
     checkpoint, directory = os.fspath(checkpoint), os.fspath(directory)
-    state = read_lightning_checkpoint(checkpoint)
+    state = read_any_checkpoint(checkpoint)
     module = _load_module(model, checkpoint, state)
     args = example_input if example_input is not None else getattr(module, "example_input_array", None)
     if args is None:
