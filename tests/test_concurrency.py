@@ -251,3 +251,40 @@ def test_lock_file_of_a_dead_writer_is_taken_over_and_a_live_one_waited_for(tmp_
     lock.unlink()
     save_checkpoint(state(2), path, external_data="params")
     assert seeds_in(load_checkpoint(path)) == {2.0} and not lock.exists()
+
+
+# -- links: a pending link commit, and a link whose target has a pending commit ---------------------------------------
+def test_reader_of_a_link_mid_commit_reads_one_target_whole(tmp_path: Path, monkeypatch) -> None:
+    """``last.ckpt`` -> A is being re-pointed at B and the writer died after ``last.ckpt.data`` moved to B's data:
+    the reader follows the journal to B, whole, and changes nothing. A pending commit of the target itself (its
+    writer died mid-commit) is reported, not read as a mix."""
+    a, b, last = tmp_path / "a.ckpt", tmp_path / "b.ckpt", tmp_path / "last.ckpt"
+    save_checkpoint(state(1), a, external_data="params")
+    save_checkpoint(state(2), b, external_data="params")
+    atomic.link(str(a), str(last))
+    assert last.is_symlink() and seeds_in(load_checkpoint(last)) == {1.0}
+    token = atomic._token()  # what atomic.link(b, last) does, up to its second rename
+    tmp_main, tmp_data = f".last.ckpt.{token}.tmp", f".last.ckpt.data.{token}.tmp"
+    os.symlink("b.ckpt", tmp_path / tmp_main)
+    os.symlink("b.ckpt.data", tmp_path / tmp_data)
+    (tmp_path / "last.ckpt.commit").write_text(json.dumps({"checkpoint": tmp_main, "data": tmp_data}))
+    os.replace(tmp_path / tmp_data, tmp_path / "last.ckpt.data")
+    before = snapshot(tmp_path)
+    assert seeds_in(load_checkpoint(last)) == {2.0}
+    with open_checkpoint(last) as r:
+        assert r.properties["seed"] == 2 and set(torch.unique(r.get_tensor("encoder.weight")).tolist()) == {2.0}
+    assert snapshot(tmp_path) == before
+    assert atomic.repair(last) and os.readlink(last) == "b.ckpt" and seeds_in(load_checkpoint(last)) == {2.0}
+
+    # b.ckpt's own writer died after moving the new .data in: through the link, that is reported, after retries
+    save_checkpoint(state(3), tmp_path / "b3.ckpt", external_data="params")
+    token = atomic._token()
+    os.replace(tmp_path / "b3.ckpt", tmp_path / f".b.ckpt.{token}.tmp")
+    os.replace(tmp_path / "b3.ckpt.data", tmp_path / "b.ckpt.data")
+    (tmp_path / "b.ckpt.commit").write_text(json.dumps({"checkpoint": f".b.ckpt.{token}.tmp",
+                                                        "data": f".b.ckpt.data.{token}.tmp"}))
+    assert seeds_in(load_checkpoint(b)) == {3.0}  # read directly: the new pair
+    monkeypatch.setattr(atomic, "_OPEN_ATTEMPTS", 3)
+    with pytest.raises(CheckpointError, match="kept changing"):
+        load_checkpoint(last)
+    assert atomic.repair(b) and seeds_in(load_checkpoint(last)) == {3.0}
