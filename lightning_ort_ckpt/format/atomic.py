@@ -446,8 +446,8 @@ def open_pair(path: str) -> tuple[int, int | None]:
 
 
 def _try_open_pair(path: str) -> tuple[int, int | None] | None:
-    real = os.path.realpath(path)
-    target_pending = real != os.path.abspath(path) and _read_journal(real) is not None
+    real = os.path.realpath(path) if os.path.islink(path) else None  # a link (last.ckpt): its target's commits
+    target_pending = real is not None and _read_journal(real) is not None
     before = _read_journal(path)
     main, decided_late = path, False
     if before is not None:
@@ -471,8 +471,7 @@ def _try_open_pair(path: str) -> tuple[int, int | None] | None:
                 os.close(data_fd)
                 data_fd = None
         after = _read_journal(path)
-        ok = after == before and not target_pending and (real == os.path.abspath(path) or
-                                                         _read_journal(real) is None)
+        ok = after == before and not target_pending and (real is None or _read_journal(real) is None)
         if ok and main == path:
             ok = _same_file(fd, path) and (not decided_late or os.path.lexists(before[1]))  # type: ignore[index]
     except BaseException:
