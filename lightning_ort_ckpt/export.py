@@ -25,6 +25,7 @@ import torch
 from .errors import CheckpointError
 from .format import atomic
 from .plugin import read_any_checkpoint
+from .translation.lightning import with_aliases
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
 
@@ -158,7 +159,7 @@ def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn
         if not hasattr(model, "load_from_checkpoint"):
             raise ExportError(f"{model.__name__} is not a LightningModule class; pass a module instance instead")
         return model.load_from_checkpoint(checkpoint, map_location="cpu")
-    model.load_state_dict(state["state_dict"])
+    model.load_state_dict(with_aliases(state["state_dict"], model))
     return model
 
 

@@ -15,8 +15,9 @@ a ``Trainer``), it saves every ``state_dict`` entry as frozen and optimizer stat
 with a warning: the file still resumes exactly in Lightning, but ORT cannot train from it.
 
 With ``async_save=True`` a save copies the tensors to CPU memory of its own, so training may change its own at once,
-and returns. The copy goes into the previous save's buffers once that save is written (a memcpy instead of a page
-fault per page): the plugin keeps one checkpoint's worth of memory between saves. One background thread writes
+and returns (see ``staging``): it first waits until the previous save is written, so one checkpoint's worth of
+staging memory is reused from save to save and saves never pile up; the parameters the optimizers hold and their
+state are copied while training runs its next forward and backward pass, before any optimizer step. One background thread writes
 files, deletes replaced ones and makes links in the order they were asked for, so nothing is deleted or linked
 before the file it depends on is durable. An error there is raised at the next call into the plugin, or at the end
 of fit (:meth:`teardown`).
@@ -39,13 +40,13 @@ import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from . import lightning_compat, rng
+from . import lightning_compat, rng, staging
 from .errors import CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
 from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
 from .namespaces import Namespace, loaded, namespace_of
-from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort
+from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort, with_aliases
 from .translation.optimizers import torch_state_from_ort
 
 RNG_KEY = "lightning_ort_ckpt.rng_states"
@@ -69,12 +70,12 @@ class OrtCheckpointIOMixin:
         self.ort_compatible = ort_compatible
         self.async_save = async_save
         self._worker: _Worker | None = None
-        self._buffers: dict[str, torch.Tensor] = {}  # staging memory of the last asynchronous save, for reuse
+        self._stager = staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only (a spawn launcher pickles the Trainer): no thread, buffers or owner."""
-        return {**self.__dict__, "_worker": None, "_buffers": {}, "_owner": None}
+        return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -95,7 +96,12 @@ class OrtCheckpointIOMixin:
                           "resumes it exactly; ORT can load it but not train from it.", CheckpointWarning, stacklevel=2)
         ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=self.ort_compatible)
         if self.async_save:
-            self._run_later(save_checkpoint, self._stage(ck), path, external_data=self.external_data)
+            module = strategy.lightning_module if info is not None else None
+            staged, copy_later = self._stager.stage(
+                ck, path, staging.optimizer_tensors(strategy.optimizers if module is not None else []),
+                module.state_dict(keep_vars=True).values() if module is not None else [], self.wait)
+            self._run_later(copy_later)
+            self._run_later(save_checkpoint, staged, path, external_data=self.external_data)
         else:
             save_checkpoint(ck, path, external_data=self.external_data)
 
@@ -137,32 +143,6 @@ class OrtCheckpointIOMixin:
     def teardown(self) -> None:
         """Lightning calls this at the end of fit: every file is durable when fit returns."""
         self.wait()
-
-    def _stage(self, ck: Checkpoint) -> Checkpoint:
-        """``ck`` with every tensor copied off training's memory, into the buffers of the previous save when it is
-        done with them: a copy into memory already in use costs a memcpy, into fresh memory a page fault per page."""
-        idle = self._worker is None or self._worker.idle()
-        buffers = self._buffers if idle else {}
-        self._buffers = {}
-
-        def copy_(where: str, t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return copy.deepcopy(t)
-            buffer = buffers.get(where)
-            if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-                buffer = torch.empty(t.shape, dtype=t.dtype)
-            buffer.copy_(t.detach())
-            self._buffers[where] = buffer
-            return buffer
-
-        return Checkpoint(
-            trainable={n: copy_(n, t) for n, t in ck.trainable.items()},
-            frozen={n: copy_(n, t) for n, t in ck.frozen.items()},
-            optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
-                                                {p: {m: copy_(f"{g}/{p}/{m}", t) for m, t in ms.items()}
-                                                 for p, ms in grp.states.items()})
-                              for g, grp in ck.optimizer_groups.items()},
-            properties=dict(ck.properties), nominal=ck.nominal)
 
     def _run_later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         if self._worker is None:
@@ -223,6 +203,8 @@ class _Worker:
             try:
                 if self._error is None:
                     fn(*args, **kwargs)
+                elif hasattr(fn, "skipped"):  # a staging copy: release the optimizer steps waiting for it
+                    fn.skipped()
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self._error = e
             finally:
@@ -244,7 +226,8 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
 
     A file ORT alone wrote carries no loop progress and no optimizer hyperparameters: with the ``strategy`` of the
     run that resumes it, loop progress is set to ORT's optimizer step and ``optimizer_states`` is built from ORT's
-    moments and the live optimizers; without one the dict holds the weights only.
+    moments and the live optimizers, and the module's tied parameters get their other names back (ORT stores a tied
+    tensor once); without one the dict holds the weights only.
     """
     path = os.fspath(path)
     ck = load_checkpoint(path)
@@ -257,6 +240,7 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
                   f"global_step is its optimizer step ({step}), the epoch starts at 0, and learning-rate schedulers "
                   "and callbacks start fresh", CheckpointWarning, stacklevel=3)
     if strategy is not None and strategy.lightning_module is not None:
+        checkpoint["state_dict"] = with_aliases(checkpoint["state_dict"], strategy.lightning_module)
         checkpoint["loops"] = {"fit_loop": lightning_compat.fit_loop_state_at_step(
             strategy.lightning_module.trainer.fit_loop, step)}
         checkpoint["optimizer_states"] = _OptimizerStatesFromOrt(ck, strategy)
