@@ -43,6 +43,7 @@ pytestmark = [
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WIDTH, LAYERS = 1024, 4  # 4 x 4.2 M float32 parameters: 16.8 MB of weights, ~50 MB per file with AdamW state
+HOST_BOOT = "[0-9a-f]{8}-[0-9a-f]{8}"  # the host and boot tag in every temporary name
 CHILD_MAX_STEPS = 8  # the child is killed long before (at its second or third step)
 
 
@@ -87,6 +88,14 @@ CASES = {
                            {"epoch=0-step=3.ckpt": 3, "last.ckpt": 2}),
     "async-keep_newest_2-last": ({"keep_newest": 2, "async_save": True}, 4, "last.ckpt",
                                  {"epoch=0-step=2.ckpt": 2, "epoch=0-step=3.ckpt": 3, "last.ckpt": 2}),
+    # external data: parameters in <name>.data, written after the .ckpt's temporary; killed while that grows (a
+    # name instead of a count: both temporaries of a save appear at once)
+    "sync-params-step_file": ({"save_top_k": -1, "external_data": "params"}, "epoch=0-step=2.ckpt.data",
+                              "epoch=0-step=2.ckpt.data", {"epoch=0-step=1.ckpt": 1, "last.ckpt": 1}),
+    # last.ckpt and last.ckpt.data are symbolic links to the newest step file and its .data
+    "async-link-params-step_file": ({"save_top_k": -1, "save_last": "link", "async_save": True,
+                                     "external_data": "params"}, "epoch=0-step=2.ckpt.data",
+                                    "epoch=0-step=2.ckpt.data", {"epoch=0-step=1.ckpt": 1, "last.ckpt": 1}),
 }
 
 
@@ -110,7 +119,7 @@ sys.path.insert(0, {TESTS_DIR!r})
 from test_callback_crash import CASES, CHILD_MAX_STEPS, Big, DurableMarker, loader, make_trainer
 from lightning_ort_ckpt import OrtCheckpoint
 dirpath, case = sys.argv[1], sys.argv[2]
-callback = OrtCheckpoint(dirpath, every_n_train_steps=1, save_last=True, **CASES[case][0])
+callback = OrtCheckpoint(dirpath, every_n_train_steps=1, **{{"save_last": True, **CASES[case][0]}})
 make_trainer([DurableMarker(), callback], CHILD_MAX_STEPS).fit(Big(), loader())
 print("finished", flush=True)
 """
@@ -127,12 +136,14 @@ def leftovers(directory: Path, pid: int | None = None) -> list[str]:
     return sorted(n for n in names if pid is None or f".{pid}." in n)
 
 
-def kill_while_saving(proc: subprocess.Popen, directory: Path, nth: int, timeout: float = 60) -> tuple[str, int]:
-    """SIGKILL ``proc`` as soon as the ``nth`` temporary checkpoint file it creates is seen growing.
+def kill_while_saving(proc: subprocess.Popen, directory: Path, nth: int | str,
+                      timeout: float = 60) -> tuple[str, int]:
+    """SIGKILL ``proc`` as soon as the ``nth`` temporary checkpoint file it creates (or the first temporary for the
+    file named ``nth``) is seen growing.
 
     Returns the checkpoint name that file was for, and its size when the kill was sent.
     """
-    tmp_re = re.compile(rf"^\.(.+\.ckpt(?:\.data)?)\.{proc.pid}\.[0-9a-f]+\.tmp$")
+    tmp_re = re.compile(rf"^\.(.+\.ckpt(?:\.data)?)\.{HOST_BOOT}\.{proc.pid}\.[0-9a-f]+\.tmp$")
     seen: dict[str, int] = {}  # temporary files in the order they appeared, with their last size
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
@@ -144,7 +155,8 @@ def kill_while_saving(proc: subprocess.Popen, directory: Path, nth: int, timeout
                 size = entry.stat().st_size
             except FileNotFoundError:  # committed (renamed) in the meantime
                 continue
-            if entry.name in seen and list(seen).index(entry.name) == nth - 1 and seen[entry.name] < size:
+            if entry.name in seen and seen[entry.name] < size and (
+                    m.group(1) == nth if isinstance(nth, str) else list(seen).index(entry.name) == nth - 1):
                 proc.send_signal(signal.SIGKILL)
                 return m.group(1), size
             seen[entry.name] = size
@@ -206,13 +218,13 @@ def test_sigkill_during_callback_save(tmp_path: Path, case: str) -> None:
     print(f"killed while writing {killed[0]} ({killed[1]:,} bytes); whole files: {steps}")
     assert killed[0] == killed_name, killed
     assert steps == whole, os.listdir(dirpath)  # nothing lost, nothing deleted too early or left undeleted
-    assert not (dirpath / "last.ckpt").is_symlink()
+    assert (dirpath / "last.ckpt").is_symlink() == (kwargs.get("save_last") == "link")
     newest = max(steps.values())
 
     # Resume with a fresh callback on the same directory. Saving the next step (and last.ckpt) again rewrites the
     # names the dead process was writing, which sweeps its leftovers.
     probe = StartProbe()
-    callback = OrtCheckpoint(dirpath, every_n_train_steps=1, save_last=True, **kwargs)
+    callback = OrtCheckpoint(dirpath, every_n_train_steps=1, **{"save_last": True, **kwargs})
     trainer = make_trainer([probe, callback], max_steps=newest + 1)
     trainer.fit(Big(), loader(), ckpt_path="last")
     resumed_from = Path(probe.ckpt_path)
@@ -227,14 +239,15 @@ def test_sigkill_during_callback_save(tmp_path: Path, case: str) -> None:
     atomic.wait_for_cleanup()
     for path in visible_checkpoints(dirpath):
         load_checkpoint(path)
-    assert step_of(dirpath / "last.ckpt") == newest + 1
+    # (in link mode the resumed run names its link last-v1.ckpt, as it does without any kill: last.ckpt exists)
+    assert Path(callback.last_model_path).parent == dirpath and step_of(Path(callback.last_model_path)) == newest + 1
     assert (dirpath / f"epoch=0-step={newest + 1}.ckpt").exists()
     assert leftovers(dirpath) == [], os.listdir(dirpath)  # temporary and retired files of the dead run all swept
 
 
 def orphaned_retired_files(directory: Path, pid: int) -> list[str]:
     """Retired files ``.<name>.<pid>.<hex>.old`` of process ``pid`` whose checkpoint ``name`` is gone."""
-    pattern = re.compile(rf"^\.(.+)\.{pid}\.[0-9a-f]+\.old$")
+    pattern = re.compile(rf"^\.(.+)\.{HOST_BOOT}\.{pid}\.[0-9a-f]+\.old$")
     return sorted(n for n in os.listdir(directory)
                   if (m := pattern.match(n)) and not (directory / m.group(1)).exists())
 
@@ -284,3 +297,33 @@ def test_retired_file_of_a_deleted_checkpoint_is_swept(tmp_path: Path) -> None:
     # the step-2 file "last" resolved to rotates out as in the uninterrupted run (docs/callback.md, Retention)
     assert [p.name for p in visible_checkpoints(dirpath)] == ["epoch=0-step=4.ckpt"]
     assert leftovers(dirpath) == [], os.listdir(dirpath)
+
+
+
+_ASYNC_RUN_THAT_EXITS = f"""
+import sys
+import torch
+sys.path.insert(0, {TESTS_DIR!r})
+from test_callback_crash import Big, loader, make_trainer
+from lightning_ort_ckpt import OrtCheckpoint
+from lightning_ort_ckpt.format import save_checkpoint, Checkpoint
+callback = OrtCheckpoint(sys.argv[1], every_n_train_steps=1, save_top_k=1, save_last=True, async_save=True)
+make_trainer([callback], 3).fit(Big(), loader())
+# fit returns once the saves are durable; the files they replaced or deleted may still be queued for unlinking.
+# Then the program replaces a 256 MB export twice and exits: freeing the old .data takes a while, and the old .ckpt
+# is queued behind it.
+for i in range(2):
+    save_checkpoint(Checkpoint(trainable={{"w": torch.full((8192, 8192), float(i))}}), sys.argv[1] + "/final.ckpt",
+                    external_data="params")
+"""
+
+
+def test_exit_deletes_everything_queued_for_deletion(tmp_path: Path) -> None:
+    """Async saves with rotation, then a large replacing save: a process that exits right after leaves no hidden
+    ``.old`` copy (the queue of files to unlink is drained at exit)."""
+    dirpath = tmp_path / "ckpts"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_ASYNC_RUN_THAT_EXITS))
+    proc = subprocess.run([sys.executable, str(script), str(dirpath)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(os.listdir(dirpath)) == ["epoch=0-step=3.ckpt", "final.ckpt", "final.ckpt.data", "last.ckpt"]

@@ -70,11 +70,12 @@ class CheckpointReader:
         """``in_memory=True`` reads the whole file (and its ``.data``) into memory at once instead of mapping it:
         the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``)."""
         self.path = os.fspath(path)
-        atomic.recover(self.path)
         self._in_memory = in_memory
         self._data_mm: Any = None
+        self._data: Any = None  # the .data file opened with the checkpoint, as one consistent pair
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not hang
+            fd, data_fd = atomic.open_pair(self.path)  # changes nothing on disk, even mid-commit
+            self._data = None if data_fd is None else os.fdopen(data_fd, "rb", buffering=0)
         except (FileNotFoundError, NotADirectoryError):
             raise CorruptCheckpointError("no such checkpoint file", self.path) from None
         except OSError as e:
@@ -90,9 +91,14 @@ class CheckpointReader:
                 raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {st.st_size} bytes", self.path)
             self._mm = (read_whole(fd, st.st_size, self.path) if in_memory
                         else mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
         finally:
             os.close(fd)
-        self._parse()
+        if not self.has_external_data and self._data is not None:
+            self._data.close()
 
     # -- public -------------------------------------------------------------------------------------------------
     version: int
@@ -174,7 +180,9 @@ class CheckpointReader:
         return torch.empty(0, dtype=info.dtype.to_torch())
 
     def close(self) -> None:
-        for mm in (self._mm, self._data_mm):
+        if self._data is not None:
+            self._data.close()
+        for mm in (getattr(self, "_mm", None), self._data_mm):
             if isinstance(mm, mmap.mmap):
                 try:
                     mm.close()
@@ -324,7 +332,7 @@ class CheckpointReader:
         if not self.has_external_data:
             return
         try:
-            st = os.stat(self.data_path)
+            st = os.fstat(self._data.fileno()) if self._data is not None else os.stat(self.data_path)
         except FileNotFoundError:
             raise self._fail(f"its external data file {self.data_path} is missing") from None
         if not stat.S_ISREG(st.st_mode):
@@ -348,7 +356,7 @@ class CheckpointReader:
         if info.storage == "inline":
             return self._mm
         if self._data_mm is None:
-            with open(self.data_path, "rb") as f:
+            with self._data if self._data is not None else open(self.data_path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 self._data_mm = (read_whole(f.fileno(), size, self.data_path) if self._in_memory
                                  else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
