@@ -10,7 +10,8 @@ returns. :class:`Stager` makes those copies with three rules:
   memcpy speed; into fresh memory it pays a page fault per page, which on VMs is slower than the disk.
 - **Out of the training thread's way**: tensors that only an optimizer step changes (the parameters the optimizers
   hold, and the optimizers' state) are copied on the writer thread while training runs its next forward and
-  backward pass; every optimizer step in the process first waits for that copy (a torch step pre-hook). Buffers,
+  backward pass; every optimizer step in the process waits for that copy before it updates anything (a torch
+  step pre-hook; for a step given a closure, as Lightning steps, after the closure's forward and backward). Buffers,
   which a forward pass may update, and everything else are copied before the save call returns. If a deferred
   tensor is changed in place before its copy is done anyway (in-place edits outside ``optimizer.step``, seen by
   torch's version counter), the save fails loudly instead of writing a mix of two steps.
@@ -41,10 +42,33 @@ WAITED = {"seconds": 0.0}
 """Time optimizer steps spent waiting for deferred copies (part of an asynchronous save's stall; for benchmarks)."""
 
 
-def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """torch's global step pre-hook: no optimizer changes a parameter while a copy of it is still being made."""
+def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """torch's global step pre-hook: no optimizer changes a parameter while a copy of it is still being made.
+
+    A step given a closure (Lightning's automatic optimization: the closure runs forward and backward inside
+    ``step``) gets the closure wrapped, so the wait comes after the forward and backward pass, right before the
+    update; a step without one waits here (its forward and backward pass ran before the call).
+    """
     global _steps
     _steps += 1
+    if not _pending:
+        return None
+    closure = kwargs["closure"] if "closure" in kwargs else args[0] if args else None
+    if not callable(closure):
+        _wait_for_copies()
+        return None
+
+    def closure_then_wait(*a: Any, **k: Any) -> Any:
+        result = closure(*a, **k)
+        _wait_for_copies()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_wait}
+    return (closure_then_wait, *args[1:]), kwargs
+
+
+def _wait_for_copies() -> None:
     if not _pending:
         return
     t0 = time.perf_counter()
