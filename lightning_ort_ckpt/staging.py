@@ -53,7 +53,8 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
     _steps += 1
     if not _pending:
         return None
-    closure = kwargs["closure"] if "closure" in kwargs else args[0] if args else None
+    # torch passes the step's own arguments with the optimizer first: (optimizer, closure?) or closure=...
+    closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
     if not callable(closure):
         _wait_for_copies()
         return None
@@ -65,7 +66,7 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
 
     if "closure" in kwargs:
         return args, {**kwargs, "closure": closure_then_wait}
-    return (closure_then_wait, *args[1:]), kwargs
+    return (args[0], closure_then_wait, *args[2:]), kwargs
 
 
 def _wait_for_copies() -> None:

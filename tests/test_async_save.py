@@ -5,7 +5,9 @@
 * saves never pile up: with a save at every step and a frozen backbone, peak memory stays within one checkpoint of
   a synchronous run's (measured as VmHWM in fresh processes), and at most one save is queued at any time;
 * a parameter changed in place outside ``optimizer.step`` while its copy is pending fails the save loudly, and the
-  file is not written.
+  file is not written;
+* an optimizer step given a closure (as Lightning steps) runs the closure's forward and backward pass while the copy
+  is pending and waits for it only before its update.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
+from lightning_ort_ckpt import Checkpoint, CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint, staging
+from lightning_ort_ckpt.format import atomic
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -74,6 +78,7 @@ def tensors_of(ck: Any) -> dict[str, torch.Tensor]:
 def test_async_files_hold_exactly_their_step(tmp_path: Path) -> None:
     fit(tmp_path / "sync", async_save=False, save_last=True)
     fit(tmp_path / "async", async_save=True, save_last=True)
+    atomic.wait_for_cleanup()  # replaced files are unlinked in the background
     names = sorted(os.listdir(tmp_path / "sync"))
     assert names == sorted(os.listdir(tmp_path / "async")) and len(names) == 7  # 6 steps and last.ckpt
     for name in names:
@@ -164,3 +169,29 @@ def test_in_place_change_during_pending_copy_fails_loudly(tmp_path: Path) -> Non
     with pytest.raises(CheckpointSaveError, match=r"'head.0.weight'.*changed in place while its asynchronous save"):
         trainer.fit(ChangesWeightsInPlace(), loader())
     assert not any(n.endswith("step=1.ckpt") for n in os.listdir(tmp_path))  # the torn file was never written
+
+
+def test_a_step_waits_for_the_copy_after_its_closure_and_before_its_update() -> None:
+    """Lightning steps with a closure that runs forward and backward: those overlap the copy, the update does not."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = model.weight.detach().clone()
+    staged, copy_later = staging.Stager().stage(Checkpoint(trainable={"w": model.weight.detach()}), "x.ckpt",
+                                                staging.optimizer_tensors([optimizer]), [], lambda: None)
+    seen_pending = []
+
+    def closure() -> torch.Tensor:
+        seen_pending.append(not copy_later.done.is_set())
+        optimizer.zero_grad()
+        loss = model(torch.ones(2, 64)).square().sum()
+        loss.backward()
+        return loss
+
+    writer = threading.Timer(0.3, copy_later)  # the writer thread makes the copy a moment later
+    writer.start()
+    optimizer.step(closure)
+    writer.join()
+    assert seen_pending == [True]  # the forward and backward pass ran while the copy was pending
+    assert torch.equal(staged.trainable["w"], before)  # and the update waited for it: the copy is the old step's
+    assert not torch.equal(model.weight.detach(), before)
