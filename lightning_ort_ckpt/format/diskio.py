@@ -17,7 +17,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
+from .platform import portable_io
 
 BEHIND_BYTES = 8 << 20  # write-behind step: see WriteBehind
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4  # sync_file_range(2) flags
@@ -96,6 +97,43 @@ class WriteBehind:
             self.sfr = None
             return
         raise OSError(err, os.strerror(err))
+
+
+def open_regular(path: str, what: str = "checkpoint", owner: str | None = None) -> int:
+    """A read-only file descriptor for ``path``, which must be a regular file: a FIFO must not block the open (nor
+    a later read), a directory or device is not a checkpoint. ``what`` and ``owner`` word the error (the file of a
+    ``.data`` companion is its checkpoint).
+
+    Where ``O_NONBLOCK`` exists (not Windows) and the portable path is not forced, the open itself cannot block;
+    elsewhere the path is checked with ``stat`` before it is opened and with ``fstat`` after.
+    """
+    where = path if owner is None else owner
+    label = "checkpoint" if owner is None else f"{what} file {path}"
+    nonblock = getattr(os, "O_NONBLOCK", 0) if not portable_io() else 0
+    try:
+        if not nonblock:
+            _check_regular(os.stat(path).st_mode, label, where)
+        fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise CorruptCheckpointError("no such checkpoint file" if owner is None else f"its {label} is missing",
+                                     where) from None
+    except OSError as e:  # permission denied, a symlink loop, ...
+        raise CheckpointError(f"cannot open the {label}: {e.strerror or e}", where) from None
+    try:
+        _check_regular(os.fstat(fd).st_mode, label, where)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_regular(mode: int, label: str, where: str) -> None:
+    import stat
+
+    if stat.S_ISDIR(mode):
+        raise CorruptCheckpointError(f"{label} is a directory, not a file", where)
+    if not stat.S_ISREG(mode):
+        raise CorruptCheckpointError(f"{label} is not a regular file (a FIFO, socket or device)", where)
 
 
 _HUGE_PAGE = 2 << 20

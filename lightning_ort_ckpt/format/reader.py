@@ -23,9 +23,9 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from . import atomic
+from . import atomic, checksums
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
-from .diskio import read_whole
+from .diskio import open_regular, read_whole
 from .dtypes import DataType
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
@@ -66,33 +66,30 @@ class GroupInfo:
 class CheckpointReader:
     """An open ODTC checkpoint. Use as a context manager; tensors it returned stay valid after :meth:`close`."""
 
-    def __init__(self, path: str | os.PathLike[str], *, in_memory: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, in_memory: bool = False, verify: bool = False) -> None:
         """``in_memory=True`` reads the whole file (and its ``.data``) into memory at once instead of mapping it:
-        the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``)."""
+        the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``). Only the bytes
+        the checkpoint's structure uses are read: a file with a long tail costs no more memory than one without.
+        ``verify=True`` checks each tensor against its recorded checksum when it is read (:meth:`verify_tensor`)."""
         self.path = os.fspath(path)
         atomic.recover(self.path)
         self._in_memory = in_memory
+        self._verify = verify
+        self._verified: set[int] = set()
         self._data_mm: Any = None
+        fd = open_regular(self.path, "checkpoint")
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not hang
-        except (FileNotFoundError, NotADirectoryError):
-            raise CorruptCheckpointError("no such checkpoint file", self.path) from None
-        except OSError as e:
-            raise CheckpointError(f"cannot open the checkpoint: {e.strerror or e}", self.path) from None
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise CorruptCheckpointError("is a directory, not a checkpoint file", self.path)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError("is not a regular file (a FIFO, socket or device), not a checkpoint",
-                                             self.path)
-            if st.st_size < 8:
-                raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {st.st_size} bytes", self.path)
-            self._mm = (read_whole(fd, st.st_size, self.path) if in_memory
-                        else mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+            size = os.fstat(fd).st_size
+            if size < 8:
+                raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {size} bytes", self.path)
+            self._mm: Any = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            extent = self._parse()
+            if in_memory:  # read what the structure uses, then parse that copy (the file may have changed since)
+                mapped, self._mm = self._mm, read_whole(fd, extent, self.path)
+                mapped.close()
+                self._parse()
         finally:
             os.close(fd)
-        self._parse()
 
     # -- public -------------------------------------------------------------------------------------------------
     version: int
@@ -115,6 +112,34 @@ class CheckpointReader:
                 out.extend(momentums.values())
         return out
 
+    checksums: checksums.Recorded | None
+    """The tensor checksums the file records (None for a file ORT wrote: it records none)."""
+
+    def checksum_status(self) -> str:
+        """In words: whether this file's tensors can be verified, and if not, why."""
+        r = self.checksums
+        if r is None:
+            return "no checksums (not written by lightning-ort-ckpt, e.g. by ONNX Runtime)"
+        if r.algorithm != checksums.ALGORITHM:
+            return f"checksums of an unknown algorithm {r.algorithm!r}: not checked"
+        if r.stale is not None:
+            return f"checksums not checked: {r.stale}"
+        return f"{r.algorithm} checksums of {len(r.digests)} tensors"
+
+    def verify_tensor(self, info: TensorInfo) -> None:
+        """Raise :class:`CorruptCheckpointError` naming the tensor when its bytes do not match the checksum recorded
+        at save time. Reads the tensor's bytes; a no-op for a file without (usable) checksums."""
+        if self.checksums is None or not self.checksums.usable or id(info) in self._verified:
+            return
+        if info.storage in ("inline", "external"):
+            self._compare(info, checksums.digest(self._bytes_of(info)))
+        self._verified.add(id(info))
+
+    def verify(self) -> None:
+        """Check every tensor against its recorded checksum (see :meth:`verify_tensor`)."""
+        for info in self.tensors():
+            self.verify_tensor(info)
+
     def get_tensor(self, name: str) -> Any:
         """A parameter or buffer as a torch tensor, zero-copy from the file where alignment allows."""
         info = self.trainable.get(name) or self.frozen.get(name)
@@ -127,6 +152,8 @@ class CheckpointReader:
         import torch
 
         dtype = self._checked_dtype(info).to_torch()
+        if self._verify:
+            self.verify_tensor(info)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=dtype)
         # Through numpy: the array holds a buffer export on the mapping, and the tensor holds the array, so the
@@ -141,20 +168,25 @@ class CheckpointReader:
         if info.storage == "strings":
             return np.array(self._strings(info), dtype=object).reshape(info.shape)
         dtype = self._checked_dtype(info).to_numpy()
+        if self._verify:
+            self.verify_tensor(info)
         if info.nbytes == 0:
             return np.empty(info.shape, dtype=dtype)
         array = np.frombuffer(self._map_for(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return array.view(dtype).reshape(info.shape)
 
-    def load(self) -> Checkpoint:
+    def load(self, verify: bool = True) -> Checkpoint:
         """Everything, as a :class:`Checkpoint` of torch tensors in memory of their own (nothing left mapped).
 
         The file is read whole, in order (unless the reader already holds it: ``in_memory``), and
         the tensors are views into that memory; int64/double tensors that ORT left only 4-aligned are copied.
+        With ``verify`` every tensor is checked against its recorded checksum first.
         """
         if not self._in_memory:
             with CheckpointReader(self.path, in_memory=True) as whole:
-                return whole.load()
+                return whole.load(verify)
+        if verify:
+            self.verify()
         fresh = {id(i): self.numpy(i) if i.storage == "strings" else self._empty(i) if i.storage == "none"
                  else self.torch(i) for i in self.tensors()}
         return Checkpoint(
@@ -191,7 +223,8 @@ class CheckpointReader:
     def _fail(self, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, self.path)
 
-    def _parse(self) -> None:
+    def _parse(self) -> int:
+        """Parse and check the structure; the end of the last byte it uses."""
         p = _Parser(self._mm, self._fail)
         if bytes(self._mm[4:8]) != FILE_IDENTIFIER:
             raise self._fail(f"not an ORT checkpoint: file identifier is {bytes(self._mm[4:8])!r}, expected 'ODTC'")
@@ -224,6 +257,8 @@ class CheckpointReader:
             self.optimizer_groups[group.name] = group
         self.properties = self._properties(p, p.offset(root, CheckpointSlot.PROPERTY_BAG))
         self._check_external_data()
+        self._read_checksums()
+        return p.high
 
     def _tensor(self, p: _Parser, pos: int, kind: Kind, where: str) -> TensorInfo:
         t = p.table(pos, where)
@@ -327,6 +362,8 @@ class CheckpointReader:
             st = os.stat(self.data_path)
         except FileNotFoundError:
             raise self._fail(f"its external data file {self.data_path} is missing") from None
+        except OSError as e:  # a symlink loop, a path through a file
+            raise self._fail(f"its external data file {self.data_path} cannot be opened ({e.strerror or e})") from None
         if not stat.S_ISREG(st.st_mode):
             raise self._fail(f"its external data file {self.data_path} is not a regular file")
         size = st.st_size
@@ -334,6 +371,39 @@ class CheckpointReader:
             if info.offset + info.nbytes > size:
                 raise self._fail(f"{info.kind} tensor {info.name!r} needs bytes {info.offset:,}..."
                                  f"{info.offset + info.nbytes:,} of {self.data_path}, which has only {size:,}")
+
+    def _read_checksums(self) -> None:
+        text = self.properties.pop(checksums.PROPERTY, None)  # ours, not the user's: never handed back as one
+        self._keys: dict[int, str] = {id(i): checksums.param_key(n)
+                                      for n, i in (*self.trainable.items(), *self.frozen.items())}
+        for g in self.optimizer_groups.values():
+            for param, momentums in g.states.items():
+                self._keys.update((id(i), checksums.state_key(g.name, param, m)) for m, i in momentums.items())
+        self.checksums = None
+        if text is None:
+            return
+        try:
+            self.checksums = checksums.parse(text, {g.name: g.step for g in self.optimizer_groups.values()})
+        except (ValueError, RecursionError) as e:
+            raise self._fail(f"its tensor checksums (property {checksums.PROPERTY!r}) are damaged: {e}") from None
+        if not self.checksums.usable:
+            return
+        for info in self.tensors():
+            key = self._keys[id(info)]
+            if info.storage in ("inline", "external") and key not in self.checksums.digests:
+                raise self._fail(f"{info.kind} tensor {info.name!r} has no recorded checksum although the file "
+                                 "records them: its name or the checksum record is damaged")
+
+    def _compare(self, info: TensorInfo, found: int) -> None:
+        if found != self.checksums.digests[self._keys[id(info)]]:  # type: ignore[union-attr]
+            where = f" (in {self.data_path})" if info.storage == "external" else ""
+            what = {"momentum": "optimizer state", "trainable": "parameter", "frozen": "parameter or buffer"}
+            name = self._keys[id(info)].split(":", 1)[1]
+            raise self._fail(f"{what[info.kind]} {name!r}{where} is damaged: its bytes do not match the checksum "
+                             "recorded when it was saved")
+
+    def _bytes_of(self, info: TensorInfo) -> memoryview:
+        return memoryview(self._map_for(info))[info.offset:info.offset + info.nbytes]
 
     # -- data access --------------------------------------------------------------------------------------------
     def _checked_dtype(self, info: TensorInfo) -> DataType:
@@ -348,12 +418,15 @@ class CheckpointReader:
         if info.storage == "inline":
             return self._mm
         if self._data_mm is None:
-            with open(self.data_path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                self._data_mm = (read_whole(f.fileno(), size, self.data_path) if self._in_memory
-                                 else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-            if len(self._data_mm) < max(i.offset + i.nbytes for i in self._external):
-                raise self._fail(f"its external data file {self.data_path} shrank while it was open")
+            needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
+            fd = open_regular(self.data_path, "external data", self.path)
+            try:
+                if os.fstat(fd).st_size < needed:
+                    raise self._fail(f"its external data file {self.data_path} shrank while it was open")
+                self._data_mm = (read_whole(fd, needed, self.data_path) if self._in_memory
+                                 else mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+            finally:
+                os.close(fd)
         return self._data_mm
 
     def _strings(self, info: TensorInfo) -> list[str]:
@@ -361,17 +434,20 @@ class CheckpointReader:
         return [p.string(off, f"{info.name} string") for off in info.string_offsets]
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
-    """Open ``path`` for lazy access; see :class:`CheckpointReader`."""
-    return CheckpointReader(path)
+def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> CheckpointReader:
+    """Open ``path`` for lazy access; see :class:`CheckpointReader` (``verify=True``: each tensor is checked against
+    its checksum when it is read)."""
+    return CheckpointReader(path, verify=verify)
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint:
     """Read the whole checkpoint at ``path`` into torch tensors in memory of their own (views into the file's bytes,
     read in order: a tensor kept alive keeps that memory alive). Large files leave the page cache as they are
-    copied, and their uncached part is read straight from the disk (see ``diskio.read_whole``)."""
+    copied, and their uncached part is read straight from the disk (see ``diskio.read_whole``). With ``verify``
+    (the default) every tensor must match the checksum recorded when it was saved, or
+    :class:`CorruptCheckpointError` names it; files without checksums (written by ORT) load as they are."""
     with CheckpointReader(path, in_memory=True) as reader:
-        return reader.load()
+        return reader.load(verify)
 
 
 _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
@@ -392,12 +468,14 @@ class _Parser:
         self.buf = buf
         self.size = len(buf)
         self.fail = fail
+        self.high = 8  # the end of the furthest byte checked so far: what the structure uses of the file
 
     def _check(self, pos: int, nbytes: int, align: int, what: str) -> None:
         if pos < 0 or pos + nbytes > self.size:
             raise self.fail(f"{what} at byte {pos:,} lies outside the file ({self.size:,} bytes): truncated or damaged")
         if pos % align:
             raise self.fail(f"{what} at byte {pos:,} is not {align}-byte aligned")
+        self.high = max(self.high, pos + nbytes)
 
     def u32(self, pos: int, what: str) -> int:
         self._check(pos, 4, 4, what)
