@@ -44,6 +44,7 @@ from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
 from .namespaces import Namespace, loaded, namespace_of
 from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort
+from .torch_files import load_torch_file
 from .translation.optimizers import torch_state_from_ort
 
 RNG_KEY = "lightning_ort_ckpt.rng_states"
@@ -94,7 +95,7 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
         self.wait()
         if not is_ort_checkpoint(path):
             torch_io = loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")
-            return torch_io().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return load_torch_file(torch_io().load_checkpoint, path, map_location, weights_only)
         strategy = self._owner_strategy()
         checkpoint = read_lightning_checkpoint(path, strategy)
         states = checkpoint.get(RNG_KEY)  # left in the dict: OrtCheckpoint may need them again (on_train_start)
@@ -347,6 +348,8 @@ def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
             checkpoint = read_lightning_checkpoint(path_or_url)
             checkpoint.pop(RNG_KEY, None)
             return _map_location(checkpoint, map_location)
+        if isinstance(path_or_url, (str, os.PathLike)):
+            return load_torch_file(original, path_or_url, map_location, weights_only)
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     pl_load.reads_ort_checkpoints = True  # type: ignore[attr-defined]

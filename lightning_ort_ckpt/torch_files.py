@@ -1,0 +1,35 @@
+"""Files that are not ORT checkpoints, read with torch's loader: never unpickling arbitrary objects unasked, and
+failing with our error.
+
+``fit(ckpt_path="last")`` may pick any ``*.ckpt`` in a directory, and ``OrtCheckpointIO`` hands every file that is
+not an ORT checkpoint to torch; a pickle there could run code. torch's ``weights_only=True`` loader unpickles only
+tensors and plain containers; it is what we pass unless the caller explicitly passed ``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CorruptCheckpointError
+
+
+def load_torch_file(load: Callable[..., Any], path: Any, map_location: Any, weights_only: bool | None) -> Any:
+    """A file that is not an ORT checkpoint, through torch's loader ``load``, with no unpickling of arbitrary objects
+    unless the caller asked for it: ``weights_only`` is True unless it is explicitly False (the one opt-in, for
+    trusted files: ``Trainer.fit(..., weights_only=False)``). Whatever torch raises comes back as our
+    :class:`CorruptCheckpointError` naming the file."""
+    weights_only = True if weights_only is None else weights_only
+    try:
+        return load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - torch raises EOFError, UnpicklingError, RuntimeError, IndexError...
+        name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
+        if isinstance(e, FileNotFoundError):
+            raise CorruptCheckpointError("no such checkpoint file", name) from None
+        hint = ("; if you trust this file, load it with weights_only=False" if weights_only
+                and isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e) else "")
+        raise CorruptCheckpointError(f"neither an ORT checkpoint nor a torch checkpoint that torch can load "
+                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){hint}",
+                                     name) from e
