@@ -151,7 +151,8 @@ def _export(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"error: cannot write {e.filename or args.output}: {e.strerror or e}", file=sys.stderr)
+        where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != args.output else ""
+        print(f"error: cannot write {args.output}{where}: {e.strerror or e}", file=sys.stderr)
         return 1
     except TypeError as e:  # load_from_checkpoint could not construct the class (it needs arguments)
         print(f"error: cannot build {args.module} from the checkpoint: {e}", file=sys.stderr)

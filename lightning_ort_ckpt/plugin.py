@@ -38,8 +38,9 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import rng
-from .errors import CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
 from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
+from .format.diskio import open_regular
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
 from .namespaces import Namespace, loaded, namespace_of
@@ -238,10 +239,15 @@ class _Worker:
 def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` holds an ORT checkpoint (by its file identifier, not its name)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+        fd = open_regular(os.fspath(path))  # a FIFO must not block the test, nor a symlink loop raise
+    except (OSError, CheckpointError):
+        return False
+    try:
+        head = os.read(fd, 8)
     except OSError:
         return False
+    finally:
+        os.close(fd)
     return head[4:8] == FILE_IDENTIFIER
 
 

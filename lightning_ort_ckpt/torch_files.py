@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CorruptCheckpointError
+from .format.diskio import open_regular
+from .translation.counters import check_counters
 
 
 def load_torch_file(load: Callable[..., Any], path: Any, map_location: Any, weights_only: bool | None) -> Any:
@@ -22,8 +24,11 @@ def load_torch_file(load: Callable[..., Any], path: Any, map_location: Any, weig
     trusted files: ``Trainer.fit(..., weights_only=False)``). Whatever torch raises comes back as our
     :class:`CorruptCheckpointError` naming the file."""
     weights_only = True if weights_only is None else weights_only
+    local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
+    if local and os.path.lexists(path):  # a FIFO would block torch's open, a symlink loop fail deep inside it
+        os.close(open_regular(os.fspath(path)))
     try:
-        return load(path, map_location=map_location, weights_only=weights_only)
+        checkpoint = load(path, map_location=map_location, weights_only=weights_only)
     except Exception as e:  # noqa: BLE001 - torch raises EOFError, UnpicklingError, RuntimeError, IndexError...
         name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
         if isinstance(e, FileNotFoundError):
@@ -33,3 +38,4 @@ def load_torch_file(load: Callable[..., Any], path: Any, map_location: Any, weig
         raise CorruptCheckpointError(f"neither an ORT checkpoint nor a torch checkpoint that torch can load "
                                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){hint}",
                                      name) from e
+    return check_counters(checkpoint, os.fspath(path)) if local else checkpoint

@@ -27,6 +27,7 @@ from . import atomic, checksums
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
 from .diskio import open_regular, read_whole
 from .dtypes import DataType
+from .layout import MAX_FLATBUFFER_SIZE
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -82,7 +83,7 @@ class CheckpointReader:
             size = os.fstat(fd).st_size
             if size < 8:
                 raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {size} bytes", self.path)
-            self._mm: Any = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            self._mm: Any = _map(fd, min(size, MAX_FLATBUFFER_SIZE), self.path)  # a FlatBuffer ends before 2 GiB
             extent = self._parse()
             if in_memory:  # read what the structure uses, then parse that copy (the file may have changed since)
                 mapped, self._mm = self._mm, read_whole(fd, extent, self.path)
@@ -424,7 +425,7 @@ class CheckpointReader:
                 if os.fstat(fd).st_size < needed:
                     raise self._fail(f"its external data file {self.data_path} shrank while it was open")
                 self._data_mm = (read_whole(fd, needed, self.data_path) if self._in_memory
-                                 else mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+                                 else _map(fd, needed, self.path))
             finally:
                 os.close(fd)
         return self._data_mm
@@ -448,6 +449,14 @@ def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> Che
     :class:`CorruptCheckpointError` names it; files without checksums (written by ORT) load as they are."""
     with CheckpointReader(path, in_memory=True) as reader:
         return reader.load(verify)
+
+
+def _map(fd: int, length: int, path: str) -> mmap.mmap:
+    """The first ``length`` bytes of ``fd``, mapped copy-on-write (never more: a file may have a huge tail)."""
+    try:
+        return mmap.mmap(fd, length, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise CheckpointError(f"cannot map the file into memory: {e.strerror or e}", path) from None
 
 
 _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
