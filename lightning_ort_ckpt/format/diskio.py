@@ -5,7 +5,8 @@ already holds (and drop it from the cache) and read the rest with direct I/O int
 the same reason: on the VMs this project runs on, fresh memory (new page-cache pages, a new buffer) costs more than
 the disk, because the guest hands freed memory back to its host and every 4 KiB page touched again is a fault to
 the host. Everything here is an optimization with a plain fallback: where a call is missing or refused (not Linux, a
-file system without direct I/O), the result is the same bytes by ordinary reads and writes.
+file system without direct I/O), or the portable path is forced (``platform.portable_io``), the result is the same
+bytes by ordinary reads and writes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class WriteBehind:
         import stat
 
         global _libc_sync_file_range
+        if portable_io():
+            return None
         if _libc_sync_file_range is None:
             try:
                 import ctypes
@@ -58,7 +61,7 @@ class WriteBehind:
                 fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
                 fn.restype = ctypes.c_int
                 _libc_sync_file_range = fn
-            except (OSError, AttributeError):  # not Linux: plain writes
+            except (OSError, AttributeError, TypeError):  # not Linux (Windows: CDLL(None) is a TypeError)
                 _libc_sync_file_range = False
         if not _libc_sync_file_range or not hasattr(os, "posix_fadvise"):
             return None
@@ -149,7 +152,7 @@ def fresh_memory(size: int) -> np.ndarray:
     faults than 4 KiB pages. Where the advice is unknown (not Linux) or refused, it is ordinary memory. The mapping
     is unmapped when the last array or tensor viewing it goes away.
     """
-    if size < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if size < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or portable_io():
         return np.empty(size, dtype=np.uint8)
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -175,8 +178,10 @@ def read_whole(fd: int, size: int, path: str) -> np.ndarray:
     """
     out = fresh_memory(_whole_blocks(size))  # direct reads fill whole blocks
     view = memoryview(out)
-    direct = size >= _DIRECT_MIN and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
-    if not direct and hasattr(os, "posix_fadvise"):
+    portable = portable_io()
+    direct = (size >= _DIRECT_MIN and not portable and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
+              and hasattr(os, "preadv"))
+    if not direct and not portable and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     pos = 0
     while pos < size:
@@ -191,11 +196,22 @@ def read_whole(fd: int, size: int, path: str) -> np.ndarray:
                     raise
                 direct = False  # plain reads from here on
         while pos < end and not direct:
-            n = os.preadv(fd, [view[pos:end]], pos)
+            n = _pread_into(fd, view[pos:end], pos, portable)
             if n == 0:
                 raise _shrank(pos, path)
             pos += n
     return out[:size]
+
+
+def _pread_into(fd: int, buf: memoryview, pos: int, portable: bool) -> int:
+    """Read into ``buf`` from offset ``pos``: ``preadv`` where there is one, else seek and read (Windows)."""
+    if hasattr(os, "preadv") and not portable:
+        return os.preadv(fd, [buf], pos)
+    import io
+
+    with io.FileIO(fd, "rb", closefd=False) as f:
+        f.seek(pos)
+        return f.readinto(buf) or 0
 
 
 def _read_cached(fd: int, view: memoryview, pos: int, end: int, path: str) -> int:

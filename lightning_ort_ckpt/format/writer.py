@@ -29,6 +29,7 @@ from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue, Tensor
 from .diskio import BEHIND_BYTES, WriteBehind
 from .dtypes import DataType, from_numpy, from_torch
 from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
+from .platform import portable_io
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -487,9 +488,9 @@ class _Writer:
 
     def _flush(self) -> None:
         views, self.pending, self.pending_bytes = self.pending, [], 0
-        if not hasattr(os, "writev"):  # Windows
-            if views:
-                self._write(memoryview(b"".join(views)))
+        if not hasattr(os, "writev") or portable_io():  # Windows, or the portable path forced: plain writes
+            for view in views:
+                self._write(view)
             return
         fd, first = self.out.fileno(), 0
         while first < len(views):
