@@ -6,7 +6,9 @@ properties it does not know and ignores them), one JSON document::
     {"algorithm": "xxh3_64", "groups": {"group0": 12}, "tensors": {"<key>": "<16 hex digits>", ...}}
 
 ``tensors`` maps a key per tensor (``param:<name>`` for a parameter or buffer, ``state:<group>/<param>/<momentum>``
-for an optimizer momentum) to the XXH3-64 digest of the tensor's bytes as stored (inline or in ``.data``).
+for an optimizer momentum) to the XXH3-64 digest of the tensor's data type and shape (a 4-byte code and 8 bytes per
+dimension, little-endian) followed by its bytes as stored (inline or in ``.data``): damage that turns a tensor into
+another of the same size (dims swapped, a type code changed) is caught as well as damage to its bytes.
 ``groups`` is the optimizer step of each optimizer group at save time. ONNX Runtime keeps the property when it
 re-saves a file, but an ORT that trained from the file changed the tensors: its optimizer step (or the set of groups
 it saved) then differs from ``groups``, and the checksums are *stale*, not a sign of damage (:attr:`Recorded.stale`).
@@ -23,6 +25,7 @@ error vanishingly unlikely (CRC-32 would leave 1 in 4 billion).
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -44,14 +47,12 @@ def state_key(group: str, param: str, momentum: str) -> str:
     return f"state:{group}/{param}/{momentum}"
 
 
-def hasher() -> Any:
-    """A fresh streaming hasher (``update(buffer)``, ``intdigest()``); releases the GIL on large buffers."""
-    return xxhash.xxh3_64()
-
-
-def digest(data: Any) -> int:
-    """The checksum of a buffer (bytes, memoryview, numpy array) in one call."""
-    return xxhash.xxh3_64_intdigest(data)
+def hasher(dtype: int, shape: tuple[int, ...]) -> Any:
+    """A streaming hasher (``update(buffer)``, ``intdigest()``) for a tensor of ``dtype`` (the format's type code)
+    and ``shape``, fed its header; the tensor's bytes follow. It releases the GIL on large buffers."""
+    h = xxhash.xxh3_64()
+    h.update(struct.pack(f"<i{len(shape)}q", dtype, *shape))
+    return h
 
 
 class Template:
@@ -112,10 +113,26 @@ def parse(text: Any, groups_now: dict[str, int]) -> Recorded:
         digests[key] = int(value, 16)
     stale = None
     if groups != groups_now:
+        if not _ort_trained(groups, groups_now):
+            raise ValueError(f"the file's optimizer groups ({_steps(groups_now)}) are not those saved "
+                             f"({_steps(groups)}), nor what ONNX Runtime makes of them")
         stale = (f"ONNX Runtime trained from this file and saved it again (optimizer steps {_steps(groups)} when "
                  f"lightning-ort-ckpt saved it, {_steps(groups_now)} now), so its tensors changed after the "
                  "checksums were recorded")
     return Recorded(doc["algorithm"], digests, stale)
+
+
+def _ort_trained(saved: dict[str, Any], now: dict[str, int]) -> bool:
+    """Whether ORT's optimizer explains how the groups changed: saved without optimizer state (no groups), a
+    ``group0`` it created, steps that only went up. A renamed group or a step that went down is damage."""
+    if not now:
+        return True
+    added = now.keys() - saved.keys()
+    if not saved.keys() <= now.keys() or not added <= {"group0"}:
+        return False
+    if any(not isinstance(saved[g], int) or now[g] < saved[g] for g in saved):
+        return False
+    return bool(added) or any(now[g] > saved[g] for g in saved)
 
 
 def _steps(groups: dict[str, Any]) -> str:

@@ -133,7 +133,9 @@ class CheckpointReader:
         if self.checksums is None or not self.checksums.usable or id(info) in self._verified:
             return
         if info.storage in ("inline", "external"):
-            self._compare(info, checksums.digest(self._bytes_of(info)))
+            h = checksums.hasher(int(info.dtype), info.shape)
+            h.update(self._bytes_of(info))
+            self._compare(info, h.intdigest())
         self._verified.add(id(info))
 
     def verify(self) -> None:
@@ -251,6 +253,7 @@ class CheckpointReader:
                     seen.add(info.name)
                     target[info.name] = info
         self.optimizer_groups = {}
+        self._groups_field = p.offset(root, CheckpointSlot.OPTIMIZER_GROUPS) is not None
         for i, pos in enumerate(p.table_vector(root, CheckpointSlot.OPTIMIZER_GROUPS, "optimizer_groups")):
             group = self._group(p, pos, f"optimizer group #{i}")
             if group.name in self.optimizer_groups:
@@ -384,16 +387,24 @@ class CheckpointReader:
         if text is None:
             return
         try:
+            if not self._groups_field:  # ORT's saves and ours always write it, if empty
+                raise ValueError("the file lacks the optimizer_groups field that was there when it was saved")
             self.checksums = checksums.parse(text, {g.name: g.step for g in self.optimizer_groups.values()})
         except (ValueError, RecursionError) as e:
             raise self._fail(f"its tensor checksums (property {checksums.PROPERTY!r}) are damaged: {e}") from None
         if not self.checksums.usable:
             return
+        present = set()
         for info in self.tensors():
             key = self._keys[id(info)]
+            present.add(key)
             if info.storage in ("inline", "external") and key not in self.checksums.digests:
                 raise self._fail(f"{info.kind} tensor {info.name!r} has no recorded checksum although the file "
                                  "records them: its name or the checksum record is damaged")
+        missing = sorted(self.checksums.digests.keys() - present)
+        if missing:
+            raise self._fail(f"{missing[0].split(':', 1)[1]!r} was saved but is not in the file ({len(missing)} "
+                             "tensor(s) missing): its structure or the checksum record is damaged")
 
     def _compare(self, info: TensorInfo, found: int) -> None:
         if found != self.checksums.digests[self._keys[id(info)]]:  # type: ignore[union-attr]

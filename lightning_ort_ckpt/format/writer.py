@@ -418,7 +418,7 @@ class _Hashing:
         entry = self.tensors.entries[key]
         if not self.enabled or entry.checksum_key is None:
             return None
-        h = self.hashers[entry.checksum_key] = _checksums.hasher()
+        h = self.hashers[entry.checksum_key] = _checksums.hasher(int(entry.dtype), tuple(entry.dims))
         return h
 
     def update(self, h: Any, data: memoryview) -> None:
@@ -439,8 +439,8 @@ class _Hashing:
         if self._last is not None:
             self._last[1].result()
             self._last = None
-        empty = _checksums.digest(b"")  # a tensor without bytes has no blob to stream
-        return {e.checksum_key: self.hashers[e.checksum_key].intdigest() if e.checksum_key in self.hashers else empty
+        return {e.checksum_key: (self.hashers.get(e.checksum_key)  # a tensor without bytes streams no blob
+                                 or _checksums.hasher(int(e.dtype), tuple(e.dims))).intdigest()
                 for e in self.tensors.entries if e.checksum_key is not None}
 
 
