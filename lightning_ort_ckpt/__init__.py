@@ -1,13 +1,18 @@
 """lightning-ort-ckpt: checkpoints that move between PyTorch Lightning and ONNX Runtime on-device training.
 
-Importing the package does not import torch; the format layer needs only numpy.
+Importing the package does not import torch; the format layer needs only numpy. It does teach Lightning's torch
+loader to read ORT files (``LightningModule.load_from_checkpoint``, spawn launchers), in copies of Lightning
+imported before or after it: see ``lightning_ort_ckpt.lightning_compat.install_ort_loader``.
 """
 
+from . import lightning_compat
 from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from .format import (Checkpoint, CheckpointReader, DataType, OptimizerGroup, TensorInfo, load_checkpoint,
                      open_checkpoint, save_checkpoint)
 
 __version__ = "0.1.0"
+
+lightning_compat.install_ort_loader()
 
 
 def __getattr__(name: str) -> object:

@@ -13,11 +13,16 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
   computed. When validation computes it right after this very step (the last batch of an epoch), the save waits for
   it instead. Every file records the step its monitored value comes from (``current_score_step`` in its state).
 - **Keep the newest N** (``keep_newest``, ORT's ``max_num_checkpoints``) next to the top-k by metric. Nothing in the
-  top k, the best file, the last file or the file training resumed from is ever deleted, and nothing is deleted
-  before the new file is durable.
+  top k, the best file, the last file or a file training was told to resume from is ever deleted, nothing before
+  the new file is durable, and nothing but a checkpoint inside ``dirpath`` (``..`` and links resolved; paths
+  restored from a file are not trusted further).
+- **Saves where ModelCheckpoint saves**: a validation value that closes an epoch is ranked at ``on_train_epoch_end``
+  when ``save_on_train_epoch_end`` resolves to True, so the file holds ModelCheckpoint's loop state and resumes
+  the same way (EarlyStopping, a second ``fit`` on the same Trainer). A file of a ModelCheckpoint with the same
+  monitor, mode and triggers hands its ranking over on resume.
 - **Asynchronous saving** (``async_save=True``): training goes on while the file is written; see OrtCheckpointIO.
-- **"last" falls back**: if the newest checkpoint in ``dirpath`` is unreadable, ``ckpt_path="last"`` resumes from
-  the newest valid one, with a warning.
+- **"last" falls back**: ``ckpt_path="last"`` resumes from the newest checkpoint in ``dirpath`` that can resume a
+  fit, skipping (with a warning) unreadable and weights-only files.
 - **Exact resume from any save point**: the random states are applied again at ``on_train_start`` when a checkpoint
   saved inside its epoch (at validation end, or mid-epoch) resumes, which the plugin alone cannot do.
 - ``include_optimizer_state=False`` writes parameters only (small deploy files), like ORT's flag of that name; it is
@@ -29,19 +34,23 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
+import zipfile
 from datetime import timedelta
 from typing import Any, Literal
 
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from .errors import CheckpointError, CheckpointWarning
-from .format import load_checkpoint
+from .format import load_checkpoint, open_checkpoint
 from .format.writer import ExternalData
 from .namespaces import loaded, namespace_of
-from . import rng
-from .plugin import RNG_KEY, OrtCheckpointIO, is_ort_checkpoint, plugin_class_for
+from .torch_files import load_torch_file
+from .translation.lightning import MANIFEST, from_ort
+from . import lightning_compat, rng
+from .plugin import RNG_KEY, OrtCheckpointIOMixin, is_ort_checkpoint, plugin_class_for
 
 
 class OrtCheckpointMixin:
@@ -107,28 +116,39 @@ class OrtCheckpointMixin:
         self._saved: list[str] = []  # files saved for top-k or periodically, oldest first
         self._to_delete: set[str] = set()  # files waiting until nothing protects them
         self._last_unranked = ""
+        self._saving_last = False  # inside _save_last_checkpoint: the file saved is the last file, whatever its name
         self._waiting_step: int | None = None  # a scheduled save waiting for the value computed at this step
         self._restored_monitor = False  # the value came with the checkpoint: stale until this run computes one
         self._link_target: str | None = None  # what last.ckpt points to once queued work is done
         self._in_batch_end = False
+        self._found_last: str | None = None  # what ckpt_path="last" resolved to in this fit: rotates as usual
         self._resume_rng: tuple[Any, Any] = (None, None)  # random states and epoch of the checkpoint resumed from
         self._monitor_value: Any = None
         self._monitor_step: int | None = None
-        self._io: OrtCheckpointIO | None = None
+        self._io: OrtCheckpointIOMixin | None = None
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        ns = namespace_of(trainer)
+        if not isinstance(self, ns.attr("callbacks.Callback")):  # the Trainer would add its own ModelCheckpoint
+            right = "lightning_ort_ckpt.lightning" if ns.trainer.__name__ == "lightning.pytorch" else "lightning_ort_ckpt"
+            raise CheckpointError(f"this OrtCheckpoint is for the other copy of Lightning than the Trainer's "
+                                  f"({ns.trainer.__name__}; pytorch_lightning and lightning.pytorch do not mix): use "
+                                  f"OrtCheckpoint from {right}")
+        if self.export_best_to is not None and stage == "fit":
+            from .export import check_export_config
+
+            check_export_config(pl_module, self.export_tolerance)
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
-        io = trainer.strategy.__dict__.get("_checkpoint_io")
-        if isinstance(io, OrtCheckpointIO):
+        io = lightning_compat.raw_checkpoint_io(trainer.strategy)
+        if isinstance(io, OrtCheckpointIOMixin):
             self._io = io
             mine = (self.external_data, self.ort_compatible, self.async_save)
             if mine != ("auto", False, False) and mine != (io.external_data, io.ort_compatible, io.async_save):
                 warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible and "
                               "async_save apply, not those given to OrtCheckpoint", CheckpointWarning, stacklevel=2)
         elif io is None or type(io) in {ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in loaded()}:
-            self._io = plugin_class_for(namespace_of(trainer))(self.external_data, self.ort_compatible,
-                                                               self.async_save)
+            self._io = plugin_class_for(ns)(self.external_data, self.ort_compatible, self.async_save)
             trainer.strategy.checkpoint_io = self._io
         else:
             raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "
@@ -137,6 +157,12 @@ class OrtCheckpointMixin:
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = (checkpoint.get(RNG_KEY), checkpoint.get("epoch"))
+        states = checkpoint.get("callbacks")
+        twin = "ModelCheckpoint" + self.state_key[len(type(self).__qualname__):]  # type: ignore[attr-defined]
+        if isinstance(states, dict) and self.state_key not in states and twin in states:  # type: ignore[attr-defined]
+            # a file of a ModelCheckpoint with the same monitor, mode and triggers: carry on with its ranking, as
+            # ModelCheckpoint itself would (Lightning restores it next, by our key)
+            states[self.state_key] = states[twin]  # type: ignore[attr-defined]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Random states once more for a checkpoint saved inside its epoch (at validation end, or mid-epoch).
@@ -151,6 +177,7 @@ class OrtCheckpointMixin:
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._found_last = None
         if self._io is not None:
             self._io.wait()  # every file durable and every error raised before fit returns
         if stage == "fit" and self.export_best_to is not None and trainer.is_global_zero:
@@ -176,6 +203,7 @@ class OrtCheckpointMixin:
         if value is not None and value is not self._monitor_value:
             self._monitor_value, self._monitor_step = value, trainer.global_step
             self._restored_monitor = False
+            self._waiting_step = None  # a save waiting for this value is ranked by the hook that saves it
 
     def _fresh(self, trainer: Any) -> bool:
         return self._monitor_step == trainer.global_step and not self._restored_monitor
@@ -196,7 +224,15 @@ class OrtCheckpointMixin:
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._note_monitor(trainer)
         super().on_validation_end(trainer, pl_module)  # type: ignore[misc]
-        self._after_fresh_value(trainer)
+        if not self._epoch_end_follows(trainer):
+            self._after_fresh_value(trainer)
+
+    def _epoch_end_follows(self, trainer: Any) -> bool:
+        """Whether this validation closes the training epoch and ModelCheckpoint saves at its end: the value is
+        then ranked there (``on_train_epoch_end``), so that the file holds the loop state ModelCheckpoint's would,
+        and a resume neither runs that epoch's end again nor saves it twice."""
+        return bool(self._should_save_on_train_epoch_end(trainer)  # type: ignore[attr-defined]
+                    and getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False))
 
     def _after_fresh_value(self, trainer: Any) -> None:
         """Monitoring is a trigger of its own: a fresh value is ranked now (saved if it enters the top k), and a
@@ -237,16 +273,20 @@ class OrtCheckpointMixin:
 
     def _save_unranked(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
         filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)  # type: ignore[attr-defined]
+        previous, self._last_unranked = self._last_unranked, filepath  # set first: it is part of the file's state
         self._save_checkpoint(trainer, filepath)
-        if self.keep_newest is None and self._last_unranked:  # without keep_newest, one unranked file at a time
-            self._to_delete.add(self._last_unranked)
-        self._last_unranked = filepath
+        if self.keep_newest is None and previous and previous != filepath:  # one unranked file at a time
+            self._to_delete.add(previous)
         self._retain(trainer)
 
     def _save_last_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
         if self._waiting_step == trainer.global_step:
             return  # saved together with the file that waits for this step's value
-        super()._save_last_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+        self._saving_last = True
+        try:
+            super()._save_last_checkpoint(trainer, monitor_candidates)  # type: ignore[misc]
+        finally:
+            self._saving_last = False
         self._retain(trainer)  # a file kept only because "last" linked to it can go now
 
     @staticmethod
@@ -261,22 +301,25 @@ class OrtCheckpointMixin:
         if not (sum(batches) if isinstance(batches, list) else batches):
             return False
         loop = trainer.fit_loop
-        try:
-            return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
-        except AttributeError:  # another Lightning version: ModelCheckpoint's own rule, the epoch's last batch
+        follows = lightning_compat.validation_follows(trainer)
+        if follows is None:  # another Lightning version: ModelCheckpoint's own rule, the epoch's last batch
             every = trainer.check_val_every_n_epoch
             return bool(getattr(loop.epoch_loop.batch_progress, "is_last_batch", False)) and (
                 every is None or (trainer.current_epoch + 1) % every == 0)
+        return follows
 
     # -- saving, retention, links -------------------------------------------------------------------------------
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
-        if os.path.basename(filepath).startswith(self.CHECKPOINT_NAME_LAST):  # type: ignore[attr-defined]
+        if self._saving_last:  # the last file (any CHECKPOINT_NAME_LAST template) is not one of the newest N
+            super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
             return
+        # recorded before the save, as Lightning sets best_model_path first: the file's own state lists it, so a
+        # run resumed from it (or from a link to it) can still rotate it out
         if filepath in self._saved:
             self._saved.remove(filepath)
         self._saved.append(filepath)
         self._to_delete.discard(filepath)
+        super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
         if self.keep_newest is not None:
             self._retain(trainer)
 
@@ -291,20 +334,45 @@ class OrtCheckpointMixin:
             self._link_target = os.path.join(os.path.dirname(self.last_model_path), os.readlink(self.last_model_path))
         if self._link_target:  # never leave "last" dangling: its target goes only once the link has moved on
             keep.add(self._link_target)
-        if trainer.ckpt_path:
-            keep.add(os.fspath(trainer.ckpt_path))
+        resumed = os.fspath(trainer.ckpt_path) if trainer.ckpt_path else None
+        if resumed and os.path.abspath(resumed) != self._found_last:  # a file the user chose: never deleted
+            keep.add(resumed)
         if self.keep_newest is not None:
             keep.update(self._saved[-self.keep_newest:])
             self._to_delete.update(self._saved[:-self.keep_newest])
         for path in sorted(self._to_delete - keep):
-            if self._should_remove_checkpoint(trainer, path, self.last_model_path or ""):  # type: ignore[attr-defined]
+            if self._should_remove_checkpoint(trainer, path, self.last_model_path or ""):
                 trainer.strategy.remove_checkpoint(path)
             self._to_delete.discard(path)
             if path in self._saved:
                 self._saved.remove(path)
 
+    def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str) -> bool:
+        """Lightning's test (not the current file, inside ``dirpath``, not the file resumed from), with ``..`` and
+        links resolved first (:meth:`_confined`). The file ``ckpt_path="last"`` resolved to is one of ours and
+        rotates as in the uninterrupted run; a file the user named (a path, or ``"best"``) stays."""
+        if not self._confined(previous):
+            return False
+        if os.path.abspath(previous) == self._found_last:
+            return os.path.abspath(previous) != os.path.abspath(current)
+        return bool(super()._should_remove_checkpoint(trainer, previous, current))  # type: ignore[misc]
+
+    def _confined(self, path: str) -> bool:
+        """Whether this callback may delete ``path`` or make a link there or to it: a visible ``*.ckpt`` name in
+        ``dirpath`` or a folder below it, after ``..`` and symbolic links in its folders are resolved (the name
+        itself is unlinked, never followed). Paths restored from a file's callback state are trusted no further."""
+        name = os.path.basename(path)
+        if not self.dirpath or name.startswith(".") or not name.endswith(self.FILE_EXTENSION):  # type: ignore[attr-defined]
+            return False
+        root = os.path.realpath(self.dirpath)
+        folder = os.path.realpath(os.path.dirname(path) or os.curdir)
+        return folder == root or folder.startswith(root.rstrip(os.sep) + os.sep)
+
     def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:  # type: ignore[override]
         """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable."""
+        if not (self._confined(filepath) and self._confined(linkpath)):
+            raise CheckpointError(f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; "
+                                  f"refusing to link {linkpath!r} to {filepath!r}", linkpath)
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
             assert self._io is not None
             self._io.link(filepath, linkpath)  # queued behind the save of filepath when saving asynchronously
@@ -313,15 +381,22 @@ class OrtCheckpointMixin:
 
     # -- resume -------------------------------------------------------------------------------------------------
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        """For ``ckpt_path="last"``: the newest readable checkpoint in ``dirpath``, skipping damaged ones."""
-        candidates = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
-        directory = self._ModelCheckpoint__resolve_ckpt_dir(trainer)  # type: ignore[attr-defined]  # as Lightning does
+        """For ``ckpt_path="last"``: the newest checkpoint in ``dirpath`` that can resume a fit, skipping damaged and
+        weights-only files (and sub-folders only where ``filename`` makes them, with a "/")."""
+        lasts = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
+        directory = lightning_compat.resolve_ckpt_dir(self, trainer)  # as Lightning does
+        candidates = set(lasts)
         if directory and os.path.isdir(directory):
-            candidates |= {os.path.join(directory, f) for f in os.listdir(directory)
-                           if f.endswith(self.FILE_EXTENSION) and not f.startswith(".")}  # type: ignore[attr-defined]
-        for path in sorted(candidates, key=_mtime, reverse=True):
-            problem = _unreadable(path)
+            nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # type: ignore[attr-defined]
+            for folder, subfolders, files in os.walk(directory):
+                subfolders[:] = sorted(d for d in subfolders if nested and not d.startswith("."))
+                candidates |= {os.path.join(folder, f) for f in files
+                               if f.endswith(self.FILE_EXTENSION) and not f.startswith(".")}  # type: ignore[attr-defined]
+        # newest first; on a tie (a link and its target) the link, then Lightning's own last* names
+        for path in sorted(candidates, key=lambda p: (_mtime(p), os.path.islink(p), p in lasts), reverse=True):
+            problem = _unreadable(path) or _weights_only(path)
             if problem is None:
+                self._found_last = os.path.abspath(path)
                 return {path}
             warnings.warn(f"{path} cannot be resumed from ({problem}); trying the next newest checkpoint",
                           CheckpointWarning, stacklevel=2)
@@ -337,9 +412,17 @@ class OrtCheckpointMixin:
         self.current_score_step = state_dict.get("current_score_step")
         self._monitor_value, self._monitor_step = state_dict.get("monitor_value"), state_dict.get("monitor_step")
         self._restored_monitor = self._monitor_value is not None
-        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
-            self._saved = [p for p in state_dict.get("saved", []) if os.path.exists(p)]
-            self._last_unranked = state_dict.get("last_unranked", "")
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # only our own files, and never trusted beyond
+            self._saved = [p for p in state_dict.get("saved", []) if self._confined(p) and os.path.exists(p)]
+            unranked = state_dict.get("last_unranked", "")
+            self._last_unranked = unranked if self._confined(unranked) else ""
+            named = [*self.best_k_models, self.kth_best_model_path, self.best_model_path,  # type: ignore[attr-defined]
+                     self.last_model_path, *state_dict.get("saved", []), unranked]  # type: ignore[attr-defined]
+            outside = sorted({p for p in named if p and not self._confined(p)})
+            if outside:
+                warnings.warn(f"the checkpoint's callback state names files that are not checkpoints inside dirpath "
+                              f"{self.dirpath!r}: {', '.join(outside)}; they will never be deleted or linked",
+                              CheckpointWarning, stacklevel=2)
 
 
 def _mtime(path: str) -> float:
@@ -352,10 +435,7 @@ def _mtime(path: str) -> float:
 def _unreadable(path: str) -> str | None:
     """Why ``path`` cannot be resumed from, or None: the full read a resume does, with every tensor checked against
     its checksum and the Lightning metadata decoded. A torch file must load with ``weights_only=True``."""
-    import torch
-
-    from .torch_files import load_torch_file
-    from .translation.lightning import MANIFEST, from_ort
+    import torch  # loaded with Lightning by now
 
     if not os.path.exists(path):
         return "missing"
@@ -371,6 +451,33 @@ def _unreadable(path: str) -> str | None:
         return None
     except CheckpointError as e:
         return str(e).removeprefix(f"{path}: ")
+
+
+def _weights_only(path: str) -> str | None:
+    """"weights only" when ``path`` (readable) holds no optimizer state, so a fit cannot resume from it: for our
+    files, by the Lightning keys their manifest lists; for torch zip files, by the key's name in the pickle's bytes
+    (read, never unpickled). Files ORT wrote alone, and other files, are taken on trust."""
+    if is_ort_checkpoint(path):
+        try:
+            with open_checkpoint(path) as reader:
+                manifest = reader.properties.get(MANIFEST)
+        except CheckpointError as e:
+            return str(e).removeprefix(f"{path}: ")
+        if not isinstance(manifest, str):
+            return None  # written by ORT alone: the plugin builds its optimizer state
+        try:
+            keys = json.loads(manifest).get("keys", [])
+        except (ValueError, AttributeError):
+            return "its Lightning metadata is damaged"
+        return None if "optimizer_states" in keys else "weights only"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if pickles and all(b"optimizer_states" not in archive.read(n) for n in pickles):
+                return "weights only"
+    except (OSError, zipfile.BadZipFile, KeyError, RuntimeError):
+        pass  # not a zip (an older torch file): Lightning will tell
+    return None
 
 
 class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):

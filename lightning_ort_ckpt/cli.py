@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.reader import CheckpointReader, TensorInfo
 from .translation import FORMAT, MANIFEST
@@ -30,6 +31,7 @@ from .translation import FORMAT, MANIFEST
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ort-ckpt", description="Inspect and verify ONNX Runtime training "
                                      "checkpoints (ODTC files).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_inspect = sub.add_parser("inspect", help="list tensors, optimizer state and properties")
     p_inspect.add_argument("file")

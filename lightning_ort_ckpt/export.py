@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import tempfile
@@ -23,7 +24,8 @@ import torch
 
 from .errors import CheckpointError
 from .format import atomic
-from .plugin import read_lightning_checkpoint
+from .plugin import read_any_checkpoint
+from .translation.lightning import with_aliases
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
 
@@ -70,7 +72,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
             ``tolerance`` (nothing is left at ``output`` then).
     """
     checkpoint, output = os.fspath(checkpoint), os.fspath(output)
-    state = read_lightning_checkpoint(checkpoint)
+    state = read_any_checkpoint(checkpoint)
     module = _load_module(model, checkpoint, state)
     module.eval()
     args = example_input if example_input is not None else getattr(module, "example_input_array", None)
@@ -109,6 +111,24 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     return ExportReport(output, checkpoint, state.get("global_step"), monitor, score, diff, tolerance, external)
 
 
+def check_export_config(module: Any, tolerance: Any) -> None:
+    """What ``OrtCheckpoint(export_best_to=...)`` checks in ``setup``, so a misconfiguration stops the run before it
+    trains, not after: the module class can be rebuilt from a checkpoint (every required ``__init__`` argument is in
+    its saved hparams), it has an ``example_input_array``, and ``tolerance`` is a number >= 0."""
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
+        raise ExportError(f"export_tolerance must be a number >= 0, got {tolerance!r}")
+    cls = type(module)
+    required = [p.name for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [name for name in required if name not in getattr(module, "hparams", {})]
+    if missing:
+        raise ExportError(f"export_best_to rebuilds {cls.__name__} from the best checkpoint, but its __init__ "
+                          f"arguments {', '.join(missing)} are not saved: call self.save_hyperparameters() in "
+                          f"__init__")
+    if getattr(module, "example_input_array", None) is None:
+        raise ExportError(f"export_best_to needs an example input: set example_input_array on {cls.__name__}")
+
+
 def load_module_class(spec: str) -> type:
     """``"package.module:ClassName"`` or ``"path/to/file.py:ClassName"`` -> the class (for the CLI)."""
     where, _, name = spec.rpartition(":")
@@ -139,7 +159,7 @@ def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn
         if not hasattr(model, "load_from_checkpoint"):
             raise ExportError(f"{model.__name__} is not a LightningModule class; pass a module instance instead")
         return model.load_from_checkpoint(checkpoint, map_location="cpu")
-    model.load_state_dict(state["state_dict"])
+    model.load_state_dict(with_aliases(state["state_dict"], model))
     return model
 
 

@@ -1,21 +1,35 @@
 """The classes for ``lightning.pytorch`` Trainers (the ``lightning`` package).
 
 ``from lightning_ort_ckpt.lightning import OrtCheckpoint, OrtCheckpointIO``; the top-level names are for
-``pytorch_lightning``. Importing this module imports ``lightning.pytorch``.
+``pytorch_lightning``. Importing this module imports ``lightning.pytorch``. A Trainer accepts callbacks and plugins
+of its own copy of Lightning only; ``OrtCheckpoint`` of the other copy raises in ``setup``.
 """
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from .binding import BindCheckpointIOMixin
 from .callback import OrtCheckpointMixin
-from .namespaces import named
-from .plugin import plugin_class_for
-
-OrtCheckpointIO = plugin_class_for(named("lightning.pytorch"))
+from .plugin import OrtCheckpointIOMixin
 
 
 class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see
     ``lightning_ort_ckpt.callback``)."""
+
+
+class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):
+    """``CheckpointIO`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see
+    ``lightning_ort_ckpt.plugin``)."""
+
+
+class BindCheckpointIO(BindCheckpointIOMixin, Callback):
+    """Binds an ``OrtCheckpointIO`` to its ``lightning.pytorch`` Trainer (see ``lightning_ort_ckpt.binding``)."""
+
+
+def binding_callbacks() -> list[Callback]:
+    """The ``lightning.pytorch.callbacks_factory`` entry point: Lightning calls it for every Trainer."""
+    return [BindCheckpointIO()]
 
 
 __all__ = ["OrtCheckpoint", "OrtCheckpointIO"]

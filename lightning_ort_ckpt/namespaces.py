@@ -3,7 +3,8 @@
 ``pytorch_lightning`` and ``lightning.pytorch`` (the ``lightning`` package) ship separate copies of the same classes,
 and a Trainer accepts only callbacks and plugins of its own copy. Importing a copy takes seconds, so only copies the
 process has imported count: ``pytorch_lightning`` (our dependency, imported by the plugin) and ``lightning.pytorch``
-once the user (or ``lightning_ort_ckpt.lightning``) imports it.
+once the user (or ``lightning_ort_ckpt.lightning``) imports it. Lightning's private names are in
+``lightning_compat``.
 """
 
 from __future__ import annotations
@@ -42,12 +43,6 @@ def loaded() -> list[Namespace]:
     """The copies of Lightning imported in this process."""
     return [Namespace(sys.modules[trainer], importlib.import_module(fabric))
             for trainer, fabric in _COPIES if trainer in sys.modules]
-
-
-def named(trainer_package: str) -> Namespace:
-    """The copy whose trainer package is ``trainer_package`` (imported now if it was not)."""
-    fabric = dict(_COPIES)[trainer_package]
-    return Namespace(importlib.import_module(trainer_package), importlib.import_module(fabric))
 
 
 def namespace_of(obj: Any) -> Namespace:

@@ -2,18 +2,22 @@
 
 ``Trainer(plugins=[OrtCheckpointIO()])`` routes ``ModelCheckpoint`` and ``trainer.save_checkpoint`` through the
 format layer (atomic, streaming). ``load_checkpoint`` decides by content: ORT files are translated back, anything
-else goes to Lightning's ``TorchCheckpointIO``, so a run can switch formats midway. The class works with both
-``pytorch_lightning`` and ``lightning.pytorch`` Trainers.
+else goes to Lightning's ``TorchCheckpointIO``, so a run can switch formats midway. ``OrtCheckpointIO`` here is the class for
+``pytorch_lightning`` Trainers, ``lightning_ort_ckpt.lightning.OrtCheckpointIO`` the one for ``lightning.pytorch``
+(a Trainer accepts only plugins of its own copy of Lightning); both are :class:`OrtCheckpointIOMixin`.
 
 A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
-optimizer state keyed by parameter name. The plugin asks the Lightning strategy that owns it for the module and its
-optimizers (:meth:`OrtCheckpointIO._owner_strategy`). Where there is none (the plugin called directly, outside a
-``Trainer``), it saves every ``state_dict`` entry as frozen and optimizer state under index names ``param<i>``,
+optimizer state keyed by parameter name. The plugin asks the Lightning strategy it is bound to for the module and
+its optimizers (:meth:`OrtCheckpointIOMixin.bind`): ``OrtCheckpoint`` binds it in its ``setup``, and so does a small
+callback that Lightning adds to every Trainer through its callback entry points (``lightning_ort_ckpt.binding``),
+for a plugin used with Lightning's own ``ModelCheckpoint``. Where there is none (the plugin called directly, outside
+a ``Trainer``), it saves every ``state_dict`` entry as frozen and optimizer state under index names ``param<i>``,
 with a warning: the file still resumes exactly in Lightning, but ORT cannot train from it.
 
 With ``async_save=True`` a save copies the tensors to CPU memory of its own, so training may change its own at once,
-and returns. The copy goes into the previous save's buffers once that save is written (a memcpy instead of a page
-fault per page): the plugin keeps one checkpoint's worth of memory between saves. One background thread writes
+and returns (see ``staging``): it first waits until the previous save is written, so one checkpoint's worth of
+staging memory is reused from save to save and saves never pile up; the parameters the optimizers hold and their
+state are copied while training runs its next forward and backward pass, before any optimizer step. One background thread writes
 files, deletes replaced ones and makes links in the order they were asked for, so nothing is deleted or linked
 before the file it depends on is durable. An error there is raised at the next call into the plugin, or at the end
 of fit (:meth:`teardown`).
@@ -23,8 +27,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import gc
-import importlib
 import os
 import queue
 import threading
@@ -35,24 +37,26 @@ from typing import Any
 
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 import torch
+from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from . import rng
+from . import lightning_compat, rng, staging
 from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
 from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
 from .format.diskio import open_regular
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
 from .namespaces import Namespace, loaded, namespace_of
-from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort
 from .torch_files import load_torch_file
+from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort, with_aliases
 from .translation.optimizers import torch_state_from_ort
 
 RNG_KEY = "lightning_ort_ckpt.rng_states"
 """Where the RNG states travel inside the checkpoint dict (restored on load when fitting)."""
 
-class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") for ns in loaded())):  # type: ignore[misc]
-    """A Lightning ``CheckpointIO`` that writes ONNX Runtime training checkpoints.
+class OrtCheckpointIOMixin:
+    """A Lightning ``CheckpointIO`` that writes ONNX Runtime training checkpoints (the behaviour of both
+    ``OrtCheckpointIO`` classes).
 
     Args:
         external_data: where tensor bytes go, as in :func:`lightning_ort_ckpt.save_checkpoint`: ``"auto"`` (one file
@@ -68,8 +72,15 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
         self.ort_compatible = ort_compatible
         self.async_save = async_save
         self._worker: _Worker | None = None
-        self._buffers: dict[str, torch.Tensor] = {}  # staging memory of the last asynchronous save, for reuse
+        self._stager = staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The settings only (a spawn launcher pickles the Trainer): no thread, buffers or owner."""
+        return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
@@ -87,7 +98,12 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
                           "resumes it exactly; ORT can load it but not train from it.", CheckpointWarning, stacklevel=2)
         ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=self.ort_compatible)
         if self.async_save:
-            self._run_later(save_checkpoint, self._stage(ck), path, external_data=self.external_data)
+            module = strategy.lightning_module if info is not None else None
+            staged, copy_later = self._stager.stage(
+                ck, path, staging.optimizer_tensors(strategy.optimizers if module is not None else []),
+                module.state_dict(keep_vars=True).values() if module is not None else [], self.wait)
+            self._run_later(copy_later)
+            self._run_later(save_checkpoint, staged, path, external_data=self.external_data)
         else:
             save_checkpoint(ck, path, external_data=self.external_data)
 
@@ -130,32 +146,6 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
         """Lightning calls this at the end of fit: every file is durable when fit returns."""
         self.wait()
 
-    def _stage(self, ck: Checkpoint) -> Checkpoint:
-        """``ck`` with every tensor copied off training's memory, into the buffers of the previous save when it is
-        done with them: a copy into memory already in use costs a memcpy, into fresh memory a page fault per page."""
-        idle = self._worker is None or self._worker.idle()
-        buffers = self._buffers if idle else {}
-        self._buffers = {}
-
-        def copy_(where: str, t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return copy.deepcopy(t)
-            buffer = buffers.get(where)
-            if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-                buffer = torch.empty(t.shape, dtype=t.dtype)
-            buffer.copy_(t.detach())
-            self._buffers[where] = buffer
-            return buffer
-
-        return Checkpoint(
-            trainable={n: copy_(n, t) for n, t in ck.trainable.items()},
-            frozen={n: copy_(n, t) for n, t in ck.frozen.items()},
-            optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
-                                                {p: {m: copy_(f"{g}/{p}/{m}", t) for m, t in ms.items()}
-                                                 for p, ms in grp.states.items()})
-                              for g, grp in ck.optimizer_groups.items()},
-            properties=dict(ck.properties), nominal=ck.nominal)
-
     def _run_later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         if self._worker is None:
             self._worker = _Worker()
@@ -169,34 +159,19 @@ class OrtCheckpointIO(*(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") 
             raise CheckpointSaveError(f"a background checkpoint task failed: {error}") from error
 
     def _owner_strategy(self, state_dict: dict[str, Any] | None = None) -> Any:
-        """The strategy whose ``checkpoint_io`` is this plugin (or wraps it).
-
-        Lightning gives a ``CheckpointIO`` no reference to its trainer; the strategy that owns the plugin is the one
-        object that knows the module and optimizers whose checkpoints it writes. When one plugin instance serves
-        several trainers, the owner is the one whose module holds the tensors being saved (``state_dict``), else the
-        one whose trainer is running.
-        """
+        """The strategy this plugin is bound to, while it still uses this plugin (and, given the ``state_dict``
+        being saved, while its module holds those tensors); else None."""
         owner = self._owner() if self._owner is not None else None
-        if owner is not None and _io_of(owner) is self and (
-                _holds(owner, state_dict) if state_dict else _trainer_running(owner)):
-            return owner  # the common case, without a search of the heap
-        strategies = tuple(ns.attr("strategies.Strategy") for ns in loaded())
-        ios = tuple(ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO") for ns in loaded())
-        found = [s for s in _referrers_of_type(self, strategies) if _io_of(s) is self]
-        for wrapper in _referrers_of_type(self, ios):
-            if getattr(wrapper, "checkpoint_io", None) is self:
-                found += [s for s in _referrers_of_type(wrapper, strategies) if _io_of(s) is wrapper]
-        if len(found) > 1 and state_dict:
-            found = [s for s in found if _holds(s, state_dict)]
-        if len(found) > 1:
-            found = [s for s in found if _trainer_running(s)]
-        if len(found) != 1:
+        if owner is None:
             return None
-        self.bind(found[0])
-        return found[0]
+        io = lightning_compat.raw_checkpoint_io(owner)
+        if io is not self and getattr(io, "checkpoint_io", None) is not self:  # used bare, or wrapped (async)
+            return None
+        return owner if not state_dict or _holds(owner, state_dict) else None
 
     def bind(self, strategy: Any) -> None:
-        """Remember the strategy that owns this plugin (``OrtCheckpoint`` does this in ``setup``), weakly."""
+        """Remember the strategy that uses this plugin, weakly: ``OrtCheckpoint`` and the callback of
+        ``lightning_ort_ckpt.binding`` call this in ``setup``, before anything is saved or restored."""
         self._owner = weakref.ref(strategy)
 
 
@@ -230,6 +205,8 @@ class _Worker:
             try:
                 if self._error is None:
                     fn(*args, **kwargs)
+                elif hasattr(fn, "skipped"):  # a staging copy: release the optimizer steps waiting for it
+                    fn.skipped()
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self._error = e
             finally:
@@ -256,7 +233,8 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
 
     A file ORT alone wrote carries no loop progress and no optimizer hyperparameters: with the ``strategy`` of the
     run that resumes it, loop progress is set to ORT's optimizer step and ``optimizer_states`` is built from ORT's
-    moments and the live optimizers; without one the dict holds the weights only.
+    moments and the live optimizers, and the module's tied parameters get their other names back (ORT stores a tied
+    tensor once); without one the dict holds the weights only.
     """
     path = os.fspath(path)
     ck = load_checkpoint(path)
@@ -269,20 +247,11 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
                   f"global_step is its optimizer step ({step}), the epoch starts at 0, and learning-rate schedulers "
                   "and callbacks start fresh", CheckpointWarning, stacklevel=3)
     if strategy is not None and strategy.lightning_module is not None:
-        checkpoint["loops"] = {"fit_loop": _fit_loop_at_step(strategy.lightning_module.trainer.fit_loop, step)}
+        checkpoint["state_dict"] = with_aliases(checkpoint["state_dict"], strategy.lightning_module)
+        checkpoint["loops"] = {"fit_loop": lightning_compat.fit_loop_state_at_step(
+            strategy.lightning_module.trainer.fit_loop, step)}
         checkpoint["optimizer_states"] = _OptimizerStatesFromOrt(ck, strategy)
     return checkpoint
-
-
-def _fit_loop_at_step(fit_loop: Any, step: int) -> dict[str, Any]:
-    """A fresh fit loop's state with ``step`` optimizer steps done: Lightning derives ``global_step`` from these
-    counters, not from the checkpoint's ``global_step`` key."""
-    state = copy.deepcopy(fit_loop.state_dict())
-    state["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"].update(
-        ready=step, completed=step)
-    state["epoch_loop.manual_optimization.optim_step_progress"]["total"].update(ready=step, completed=step)
-    state["epoch_loop.state_dict"]["_batches_that_stepped"] = step
-    return state
 
 
 class _OptimizerStatesFromOrt(Sequence):
@@ -320,50 +289,27 @@ class _OptimizerStatesFromOrt(Sequence):
         return iter(self._states())
 
 
-def plugin_class_for(ns: Namespace) -> type[OrtCheckpointIO]:
-    """``OrtCheckpointIO`` as a ``CheckpointIO`` of that copy of Lightning (a subclass when it was imported after
-    this module), with ``load_from_checkpoint`` taught to read ORT files there."""
-    _load_from_checkpoint_support(ns)
-    base = ns.fabric_attr("plugins.io.checkpoint_io.CheckpointIO")
-    if issubclass(OrtCheckpointIO, base):
-        return OrtCheckpointIO
-    if base not in _SUBCLASSES:
-        _SUBCLASSES[base] = type("OrtCheckpointIO", (OrtCheckpointIO, base),
-                                 {"__module__": __name__, "__doc__": OrtCheckpointIO.__doc__})
-    return _SUBCLASSES[base]
+def read_any_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Lightning checkpoint dict of an ORT file or of a torch ``.ckpt`` (Lightning's own format, loaded with
+    ``weights_only=True``: no code in it runs), for export and artifacts."""
+    if is_ort_checkpoint(path):
+        return read_lightning_checkpoint(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for foreign or damaged files
+        raise CorruptCheckpointError(f"neither an ORT checkpoint nor a torch checkpoint that loads with "
+                                     f"weights_only=True ({type(e).__name__}: {e})", os.fspath(path)) from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CorruptCheckpointError("a torch file, but not a Lightning checkpoint (no 'state_dict')", os.fspath(path))
+    return checkpoint
 
 
-_SUBCLASSES: dict[type, type[OrtCheckpointIO]] = {}
-
-
-def _load_from_checkpoint_support(ns: Namespace) -> None:
-    """Let ``LightningModule.load_from_checkpoint`` read ORT files.
-
-    Lightning loads there with ``<lightning>.core.saving.pl_load`` (``torch.load``), not with a CheckpointIO; this
-    wraps it so that ORT files (recognized by content) are translated, everything else loads as before. Random
-    states are not restored there: loading weights must not reseed a process.
-    """
-    saving = importlib.import_module(f"{ns.trainer.__name__}.core.saving")
-    if not getattr(saving.pl_load, "reads_ort_checkpoints", False):
-        saving.pl_load = _ort_aware(saving.pl_load)
-
-
-def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
-    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
-        if isinstance(path_or_url, (str, os.PathLike)) and is_ort_checkpoint(path_or_url):
-            checkpoint = read_lightning_checkpoint(path_or_url)
-            checkpoint.pop(RNG_KEY, None)
-            return _map_location(checkpoint, map_location)
-        if isinstance(path_or_url, (str, os.PathLike)):
-            return load_torch_file(original, path_or_url, map_location, weights_only)
-        return original(path_or_url, map_location=map_location, weights_only=weights_only)
-
-    pl_load.reads_ort_checkpoints = True  # type: ignore[attr-defined]
-    return pl_load
-
-
-for _ns in loaded():
-    _load_from_checkpoint_support(_ns)
+def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
+    """An ORT file as Lightning's loader returns a checkpoint (for ``load_from_checkpoint`` and the spawn launcher's
+    weights hand-back, see ``lightning_compat.install_ort_loader``): no random states restored, none left in."""
+    checkpoint = read_lightning_checkpoint(path)
+    checkpoint.pop(RNG_KEY, None)
+    return _map_location(checkpoint, map_location)
 
 
 def _holds(strategy: Any, state_dict: dict[str, Any]) -> bool:
@@ -378,7 +324,7 @@ def _holds(strategy: Any, state_dict: dict[str, Any]) -> bool:
 
 def _trainer_state(strategy: Any) -> Any:
     module = strategy.lightning_module if strategy is not None else None
-    trainer = module._trainer if module is not None else None
+    trainer = lightning_compat.trainer_of(module) if module is not None else None
     return trainer.state if trainer is not None else None
 
 
@@ -396,27 +342,30 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _io_of(strategy: Any) -> Any:
-    return strategy.__dict__.get("_checkpoint_io")
-
-
-def _referrers_of_type(obj: Any, kind: type | tuple[type, ...]) -> list[Any]:
-    """Objects of ``kind`` that hold ``obj`` in an attribute (directly, or through an instance dict that Python
-    has materialized)."""
-    found = []
-    for holder in gc.get_referrers(obj):
-        if isinstance(holder, kind):
-            found.append(holder)
-        elif isinstance(holder, dict):
-            found += [o for o in gc.get_referrers(holder) if isinstance(o, kind) and getattr(o, "__dict__", None) is holder]
-    return found
-
-
 def _map_location(checkpoint: dict[str, Any], map_location: Any) -> dict[str, Any]:
-    """Apply ``torch.load``-style ``map_location`` (a device, string or callable) to the loaded tensors."""
+    """Apply ``torch.load``-style ``map_location`` (a device, string, dict of locations or callable) to the loaded
+    tensors, which are on the CPU (location ``"cpu"``)."""
     if map_location is None:
         return checkpoint
+    if isinstance(map_location, dict):  # {"cuda:0": "cpu"}: only tensors saved at a key's location move
+        target = map_location.get("cpu")
+        return checkpoint if target is None else _map_location(checkpoint, target)
     if callable(map_location) and not isinstance(map_location, torch.device):
         # torch's convention: the callable gets the CPU data and its location, and None means "leave it there"
         return apply_to_collection(checkpoint, torch.Tensor, lambda t: _or(map_location(t, "cpu"), t))
     return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.to(map_location))
+
+
+class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):
+    """A Lightning ``CheckpointIO`` writing ONNX Runtime training checkpoints, for ``pytorch_lightning`` Trainers
+    (``lightning_ort_ckpt.lightning.OrtCheckpointIO`` is the one for ``lightning.pytorch``); arguments as in
+    :class:`OrtCheckpointIOMixin`."""
+
+
+def plugin_class_for(ns: Namespace) -> type[OrtCheckpointIOMixin]:
+    """The ``OrtCheckpointIO`` class of that copy of Lightning."""
+    if ns.trainer.__name__ == "lightning.pytorch":
+        from .lightning import OrtCheckpointIO as for_lightning
+
+        return for_lightning
+    return OrtCheckpointIO

@@ -13,7 +13,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .format.diskio import open_regular
 from .translation.counters import check_counters
 
@@ -29,6 +29,8 @@ def load_torch_file(load: Callable[..., Any], path: Any, map_location: Any, weig
         os.close(open_regular(os.fspath(path)))
     try:
         checkpoint = load(path, map_location=map_location, weights_only=weights_only)
+    except CheckpointError:  # already ours (an ORT-aware loader inside)
+        raise
     except Exception as e:  # noqa: BLE001 - torch raises EOFError, UnpicklingError, RuntimeError, IndexError...
         name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
         if isinstance(e, FileNotFoundError):

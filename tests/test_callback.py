@@ -504,6 +504,83 @@ def test_resume_last_with_every_file_damaged_starts_fresh(tmp_path: Any) -> None
     assert_ort_files(tmp_path, {name(0, 4, 1), name(1, 8, 1)})
 
 
+@pytest.mark.parametrize("writer", ["ModelCheckpoint", "OrtCheckpoint"])
+def test_resume_last_skips_weights_only_files(tmp_path: Any, writer: str) -> None:
+    """A second callback writes weights-only files into the same directory (torch files from ModelCheckpoint, ORT
+    files from OrtCheckpoint): "last" skips them, though newer, and resumes from the newest full checkpoint."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    second_class = ModelCheckpoint if writer == "ModelCheckpoint" else OrtCheckpoint
+    second = second_class(dirpath=tmp_path, filename="weights-{step}", save_weights_only=True, every_n_train_steps=4,
+                          save_top_k=-1)
+    trainer = make_trainer(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2)
+    trainer.callbacks.append(second)
+    run_fit(trainer)
+    assert files_after_fit(tmp_path) == {name(0, 4), name(1, 8), "weights-step=4.ckpt", "weights-step=8.ckpt"}
+    for i, n in enumerate([name(0, 4), name(1, 8), "weights-step=4.ckpt", "weights-step=8.ckpt"]):
+        os.utime(tmp_path / n, (1_000_000 + i, 1_000_000 + i))  # the weights-only files are the newest
+    with pytest.warns(CheckpointWarning, match="weights only"):
+        resumed = fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 3, ckpt_path="last")
+    assert resumed.ckpt_path == str(tmp_path / name(1, 8))
+    assert resumed.lightning_module.steps_run == 4 and resumed.global_step == 12
+
+
+class SlashNet(Net):
+    """Logs its validation value as "val/loss": with auto_insert_metric_name the file names hold a "/"."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/loss", torch.tensor(float(self.vals[self.current_epoch])))
+
+
+def test_resume_last_finds_files_in_sub_folders_of_metric_names(tmp_path: Any) -> None:
+    def callback() -> Any:
+        return OrtCheckpoint(dirpath=tmp_path, monitor="val/loss", filename="{epoch}-{val/loss:.1f}", save_top_k=-1)
+
+    fit(callback(), 2, [3.0, 2.0], net_class=SlashNet)
+    assert files_after_fit(tmp_path) == {"epoch=0-val", "epoch=1-val"}  # the "/" made folders
+    assert files_after_fit(tmp_path / "epoch=1-val") == {"loss=2.0.ckpt"}
+    resumed = fit(callback(), 3, [3.0, 2.0, 1.0], ckpt_path="last", net_class=SlashNet)
+    assert resumed.ckpt_path == str(tmp_path / "epoch=1-val" / "loss=2.0.ckpt")
+    assert resumed.lightning_module.steps_run == 4 and resumed.global_step == 12
+    assert files_after_fit(tmp_path / "epoch=2-val") == {"loss=1.0.ckpt"}
+
+
+@pytest.mark.parametrize("case", ["templated-last", "link"])
+def test_keep_newest_after_resume_leaves_the_uninterrupted_files(tmp_path: Any, case: str) -> None:
+    """keep_newest=2 with every_n_train_steps=2. "templated-last": CHECKPOINT_NAME_LAST = "{epoch}-last" (a copy),
+    never counted among the newest; "link": save_last="link", resumed through the link, whose old target rotates
+    out once the link has moved on. Both end with the files of the uninterrupted run."""
+    def callback(d: Any) -> Any:
+        cb = OrtCheckpoint(dirpath=d, every_n_train_steps=2, keep_newest=2,
+                           save_last=True if case == "templated-last" else "link")
+        if case == "templated-last":
+            cb.CHECKPOINT_NAME_LAST = "{epoch}-last"
+        return cb
+
+    fit(callback(tmp_path / "full"), 4)
+    expected = {at_step(14), at_step(16), "epoch=3-last.ckpt" if case == "templated-last" else "last.ckpt"}
+    assert files_after_fit(tmp_path / "full") == expected
+    fit(callback(tmp_path / "resumed"), 2)
+    assert files_after_fit(tmp_path / "resumed") == {at_step(6), at_step(8),
+                                                     "epoch=1-last.ckpt" if case == "templated-last" else "last.ckpt"}
+    resumed = fit(callback(tmp_path / "resumed"), 4, ckpt_path="last")
+    resumed_from = "epoch=1-last.ckpt" if case == "templated-last" else "last.ckpt"  # newest; the link wins a tie
+    assert resumed.ckpt_path == str(tmp_path / "resumed" / resumed_from)
+    assert resumed.global_step == 16 and resumed.lightning_module.steps_run == 8
+    assert files_after_fit(tmp_path / "resumed") == expected
+    assert_ort_files(tmp_path / "resumed")
+
+
+def test_a_path_given_to_resume_from_is_kept(tmp_path: Any) -> None:
+    """Unlike the file "last" resolves to, a file named by path is never rotated out (as in ModelCheckpoint)."""
+    fit(OrtCheckpoint(dirpath=tmp_path, every_n_train_steps=2, keep_newest=2), 2)
+    resumed = fit(OrtCheckpoint(dirpath=tmp_path, every_n_train_steps=2, keep_newest=2), 4,
+                  ckpt_path=str(tmp_path / at_step(6)))
+    assert resumed.global_step == 16
+    # step 8's file of the first run is unknown to the state of step 6 and stays, as with ModelCheckpoint
+    assert files_after_fit(tmp_path) == {at_step(6), at_step(8), at_step(14), at_step(16)}
+
+
 # -- 6. both Lightning packages --------------------------------------------------------------------------------------
 
 
@@ -523,7 +600,7 @@ def test_lightning_packages(tmp_path: Any, package: str, explicit_plugin: bool) 
     kwargs: dict[str, Any] = {"plugins": [Plugin(external_data="params")]} if explicit_plugin else {}
     trainer = fit(cb, 2, trainer_module=trainer_module, net_class=make_net_class(trainer_module.LightningModule),
                   **kwargs)
-    assert isinstance(trainer.strategy.checkpoint_io, OrtCheckpointIO)
+    assert type(trainer.strategy.checkpoint_io) is Plugin  # the named class of that copy of Lightning
     assert cb._io is trainer.strategy.checkpoint_io
     if explicit_plugin:
         assert cb._io is kwargs["plugins"][0]  # the callback writes through the plugin it was given

@@ -13,15 +13,21 @@ import onnxruntime
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def run(*args: str, cwd: Path) -> str:
+def run(*args: str, cwd: Path, stderr: list[str] | None = None) -> str:
     result = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(result.stderr)
     return result.stdout
 
 
 def test_quickstart_and_cli_export(tmp_path):
-    out = run(str(EXAMPLES / "quickstart.py"), str(tmp_path / "qs"), cwd=tmp_path)
-    assert 'resumed from last.ckpt, finished at step 128' in out
+    stderr: list[str] = []
+    out = run(str(EXAMPLES / "quickstart.py"), str(tmp_path / "qs"), cwd=tmp_path, stderr=stderr)
+    assert stderr == [""], stderr  # no Lightning banners, tips or deprecation warnings
+    # a real interruption: the first run's process is killed before its last step, and the resume says from where
+    assert "step 70: the process is killed" in out and "killed by signal SIGKILL" in out, out
+    assert "resumed from checkpoints/last.ckpt at step 64, finished at step 128" in out, out
     parity = re.search(r"max abs difference (\S+) \(tolerance 1e-05\)", out)
     assert parity and float(parity.group(1)) <= 1e-5, out
     accuracy = re.search(r"accuracy (\S+) on 1000 new samples", out)

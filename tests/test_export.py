@@ -145,3 +145,61 @@ def test_cli_export(trained, tmp_path):
                           "--module", "no_such_module_here:Demo", "--output", str(tmp_path / "x.onnx")],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "no_such_module_here" in bad.stderr
+
+
+def test_torch_checkpoints_export_and_make_artifacts(trained, tmp_path):
+    """A .ckpt that Lightning's own ModelCheckpoint wrote (torch format) is accepted, as the docs and --help say."""
+    from lightning_ort_ckpt.artifacts import make_training_artifacts
+
+    root, Demo, callback = trained
+    module = Demo.load_from_checkpoint(callback.best_model_path)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.strategy.connect(module)
+    torch_ckpt = tmp_path / "torch.ckpt"
+    trainer.save_checkpoint(torch_ckpt)
+    assert torch_ckpt.read_bytes()[:2] == b"PK"  # a torch zip file, not ORT
+    report = export_onnx(Demo, torch_ckpt, tmp_path / "from_torch.onnx")
+    x = np.random.default_rng(2).standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(ort_run(tmp_path / "from_torch.onnx", x), ort_run(root / "best.onnx", x), atol=1e-5)
+    assert report.max_abs_diff <= 1e-5
+    artifacts = make_training_artifacts(Demo, torch_ckpt, tmp_path / "artifacts")
+    assert os.path.exists(artifacts.checkpoint) and os.path.exists(artifacts.training_model)
+    cli = subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", "export", str(torch_ckpt), "--module",
+                          f"{root / 'demo_module.py'}:Demo", "--output", str(tmp_path / "cli.onnx")],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0 and "max abs difference" in cli.stdout, cli.stderr
+
+
+class NoHparams(pl.LightningModule):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(width, 1)
+        self.example_input_array = torch.zeros(1, width)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class NoExampleInput(NoHparams):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__(width)
+        self.example_input_array = None
+
+
+@pytest.mark.parametrize("module, tolerance, message", [
+    (NoHparams(4), 1e-5, "arguments width are not saved"),
+    (NoExampleInput(), 1e-5, "needs an example input"),
+    (NoExampleInput(), "1e-5", "export_tolerance must be a number"),
+], ids=["no-hparams", "no-example-input", "tolerance-as-text"])
+def test_misconfigured_export_best_to_stops_before_training(module, tolerance, message, tmp_path):
+    callback = OrtCheckpoint(dirpath=tmp_path / "ckpts", export_best_to=tmp_path / "m.onnx",
+                             export_tolerance=tolerance)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    with pytest.raises(ExportError, match=message):
+        trainer.fit(module, DataLoader(TensorDataset(torch.zeros(4, 4)), batch_size=2))
+    assert trainer.global_step == 0 and not (tmp_path / "ckpts").exists()

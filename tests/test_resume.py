@@ -38,6 +38,7 @@ from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import atomic, save_checkpoint
 from lightning_ort_ckpt.plugin import RNG_KEY, OrtCheckpointIO, read_lightning_checkpoint
 from lightning_ort_ckpt.translation import MANIFEST
+from lightning_ort_ckpt.translation.values import Unsaved
 from ort_reference import assert_same_tensor
 
 pytestmark = [
@@ -518,9 +519,11 @@ def test_module_hparam_warns_and_loads_as_placeholder(tmp_path: Any) -> None:
     with pytest.warns(CheckpointWarning, match=r"\['hyper_parameters'\]\['head'\].*torch\.nn\.modules\.linear\.Linear"):
         first.save_checkpoint(path)
     head = read_lightning_checkpoint(path)["hyper_parameters"]["head"]
-    assert isinstance(head, str) and "Linear(in_features=3, out_features=2" in head, head
+    assert isinstance(head, Unsaved) and "Linear(in_features=3, out_features=2" in repr(head), head
     loaded = ModuleHParamNet.load_from_checkpoint(path)
-    assert loaded.hparams.head == head and loaded.hparams.width == 8
+    assert repr(loaded.hparams.head) == repr(head) and loaded.hparams.width == 8
+    with pytest.raises(CheckpointError, match="was not saved and cannot be used"):
+        loaded.hparams.head.weight  # a model that uses the value fails loudly, never with a stand-in
     assert_same_value(loaded.state_dict(), model.state_dict(), "weights")
     # and the file still resumes
     t = trainer(tmp_path, max_steps=4, num_sanity_val_steps=0)

@@ -411,8 +411,8 @@ class CheckpointReader:
             where = f" (in {self.data_path})" if info.storage == "external" else ""
             what = {"momentum": "optimizer state", "trainable": "parameter", "frozen": "parameter or buffer"}
             name = self._keys[id(info)].split(":", 1)[1]
-            raise self._fail(f"{what[info.kind]} {name!r}{where} is damaged: its bytes do not match the checksum "
-                             "recorded when it was saved")
+            raise self._fail(f"{what[info.kind]} {name!r}{where} is damaged: its bytes (or type or shape) do not "
+                             "match the checksum recorded when it was saved")
 
     def _bytes_of(self, info: TensorInfo) -> memoryview:
         return memoryview(self._map_for(info))[info.offset:info.offset + info.nbytes]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import errno
 import math
 import os
+import queue
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
@@ -395,7 +397,9 @@ def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
 
 class _Hashing:
     """Checksums of the tensors as they stream. Large chunks are hashed on a helper thread while the main thread
-    writes them (the hash releases the GIL), so hashing hides under the writes; small ones are hashed in place."""
+    writes them (the hash releases the GIL), so hashing hides under the writes; small ones are hashed in place. A
+    plain thread, not a ``concurrent.futures`` pool: saves queued by ``async_save`` may run during interpreter exit,
+    when pools refuse work (where even a thread cannot start, everything is hashed in place)."""
 
     _THREAD_MIN = 1 << 20
 
@@ -404,15 +408,17 @@ class _Hashing:
         self.enabled = enabled
         self.hashers: dict[str, Any] = {}
         self.record_offset = -1
-        self._pool: Any = None
-        self._last: tuple[Any, Any] | None = None  # (hasher, future) of the update last sent to the thread
+        self._queue: queue.Queue[tuple[Any, memoryview] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._queued: set[int] = set()  # hashers with updates on the thread: all their later ones go there too
 
     def __enter__(self) -> _Hashing:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._thread is not None:
+            self._queue.put(None)  # type: ignore[union-attr]
+            self._thread.join()
 
     def start(self, key: int) -> Any:
         entry = self.tensors.entries[key]
@@ -424,24 +430,41 @@ class _Hashing:
     def update(self, h: Any, data: memoryview) -> None:
         if h is None:
             return
-        if data.nbytes < self._THREAD_MIN:
-            if self._last is not None and self._last[0] is h:  # keep the order of one tensor's updates
-                self._last[1].result()
+        if (data.nbytes < self._THREAD_MIN and id(h) not in self._queued) or not self._start_thread():
             h.update(data)
             return
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ort-ckpt-hash")
-        self._last = (h, self._pool.submit(h.update, data))  # one worker: updates run in submission order
+        self._queued.add(id(h))
+        self._queue.put((h, data))  # type: ignore[union-attr]  # one thread: a tensor's updates stay in order
 
     def digests(self) -> dict[str, int]:
-        if self._last is not None:
-            self._last[1].result()
-            self._last = None
+        if self._queue is not None:
+            self._queue.join()
         return {e.checksum_key: (self.hashers.get(e.checksum_key)  # a tensor without bytes streams no blob
                                  or _checksums.hasher(int(e.dtype), tuple(e.dims))).intdigest()
                 for e in self.tensors.entries if e.checksum_key is not None}
+
+    def _start_thread(self) -> bool:
+        if self._thread is None and self._queue is None:
+            self._queue = queue.Queue()
+            thread = threading.Thread(target=self._run, name="ort-ckpt-hash", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # interpreter shutting down
+                return False
+            self._thread = thread
+        return self._thread is not None
+
+    def _run(self) -> None:
+        q = self._queue
+        assert q is not None
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                item[0].update(item[1])
+            finally:
+                q.task_done()
 
 
 class _Writer:

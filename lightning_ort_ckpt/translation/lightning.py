@@ -2,8 +2,10 @@
 
 What goes where (``docs/mapping.md`` has the full table):
 
-- ``state_dict``: trainable parameters -> ORT ``requires_grad_params``, everything else (frozen parameters, buffers)
-  -> ``frozen_params``; names are the ``state_dict`` keys, as ``torch.onnx.export`` names initializers.
+- ``state_dict``: trainable parameters -> ORT ``requires_grad_params``, everything else (frozen parameters, buffers,
+  and parameters no optimizer trains) -> ``frozen_params``; names are the ``state_dict`` keys, as
+  ``torch.onnx.export`` names initializers. A tensor under several keys (tied weights) is stored once, under its
+  first key (the name ``named_parameters()`` and ``torch.onnx.export`` give it); the other keys are aliases.
 - ``optimizer_states``: per-parameter tensors -> ORT optimizer groups (see ``optimizers``); everything else of the
   optimizer's ``state_dict`` (hyperparameters, non-tensor state) -> the manifest.
 - every other key (``epoch``, ``global_step``, ``loops``, ``callbacks``, ``lr_schedulers``, hparams, user keys...)
@@ -49,9 +51,62 @@ class ModuleInfo:
     @classmethod
     def from_module(cls, module: torch.nn.Module, optimizers_: list[torch.optim.Optimizer]) -> ModuleInfo:
         names = {id(p): n for n, p in module.named_parameters()}
-        return cls(trainable={n for n, p in module.named_parameters() if p.requires_grad},
-                   optimizer_params=[[names.get(id(p), "") for g in opt.param_groups for p in g["params"]]
-                                     for opt in optimizers_])
+        params = [[names.get(id(p), "") for g in opt.param_groups for p in g["params"]] for opt in optimizers_]
+        return cls(trainable=trainable_set(module, params[0] if params else None), optimizer_params=params)
+
+
+def trainable_set(module: torch.nn.Module, first_optimizer: list[str] | None) -> set[str]:
+    """The parameters ORT trains: those with ``requires_grad`` that the first optimizer holds.
+
+    ORT trains with one optimizer, whose state (``group0``) must cover every trainable parameter of the file, and a
+    ``requires_grad`` parameter that no optimizer holds never changes in torch: so it is frozen for ORT too. With no
+    optimizer known (``None``), every ``requires_grad`` parameter.
+    """
+    held = None if first_optimizer is None else set(first_optimizer)
+    return {n for n, p in module.named_parameters() if p.requires_grad and (held is None or n in held)}
+
+
+def aliases_of(module: torch.nn.Module) -> dict[str, str]:
+    """``state_dict`` key -> the first key of the same tensor, for tensors registered under several names."""
+    first: dict[int, str] = {}
+    aliases = {}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if tensor is None:
+            continue
+        canonical = first.setdefault(id(tensor), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+def with_aliases(state_dict: dict[str, Any], module: torch.nn.Module) -> dict[str, Any]:
+    """``state_dict`` with the keys that ``module`` ties to another one filled from it (a file ORT alone wrote
+    stores a tied tensor once, under its first name)."""
+    missing = {a: c for a, c in aliases_of(module).items() if a not in state_dict and c in state_dict}
+    if not missing:
+        return state_dict
+    out = type(state_dict)(state_dict)
+    out.update((a, state_dict[c]) for a, c in missing.items())
+    if hasattr(state_dict, "_metadata"):
+        out._metadata = state_dict._metadata  # type: ignore[attr-defined]
+    return out
+
+
+def _aliases_in(state_dict: dict[str, Any]) -> dict[str, str]:
+    """key -> first key holding the very same tensor view (same memory, dtype, shape and strides).
+
+    Such entries hold equal values by construction, so storing one of them loses nothing: tied weights, and any
+    other tensor registered twice.
+    """
+    first: dict[tuple[Any, ...], str] = {}
+    aliases = {}
+    for key, t in state_dict.items():
+        if isinstance(t, torch.Tensor) and t.numel() and t.layout == torch.strided and t.device.type != "meta":
+            canonical = first.setdefault((t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), key)
+            if canonical != key:
+                aliases[key] = canonical
+    return aliases
 
 
 def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_compatible: bool = False) -> Checkpoint:
@@ -67,10 +122,12 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
 
     state_dict = checkpoint.get("state_dict", {})
     trainable = info.trainable if info is not None else set()
+    aliases = _aliases_in(state_dict)
     for key, tensor in state_dict.items():
         if key.startswith(EXTRA_PREFIX):
             raise ValueError(f"state_dict key {key!r} uses the prefix {EXTRA_PREFIX!r} reserved for other tensors")
-        (out.trainable if key in trainable else out.frozen)[key] = store(tensor, key)
+        if key not in aliases:
+            (out.trainable if key in trainable else out.frozen)[key] = store(tensor, key)
 
     def extra(path: tuple[str, ...], tensor: torch.Tensor) -> str:
         name = EXTRA_PREFIX + "/".join(map(_name_part, path))
@@ -80,7 +137,7 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
         return name
 
     manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "keys": list(checkpoint),
-                                "state_dict": list(state_dict), "optimizers": [], "values": {}}
+                                "state_dict": list(state_dict), "aliases": aliases, "optimizers": [], "values": {}}
     for index, opt_state in enumerate(checkpoint.get("optimizer_states", [])):
         manifest["optimizers"].append(_optimizer_to_ort(index, opt_state, info, out, store, extra))
     for key, value in checkpoint.items():
@@ -165,13 +222,16 @@ def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str) -> dict[
                                          "metadata is missing", path) from None
         return restore(t, f"{group}/{param}/{momentum}")
 
-    missing = [k for k in manifest["state_dict"] if k not in params]
+    aliases = manifest.get("aliases", {})
+    missing = [k for k in manifest["state_dict"] if aliases.get(k, k) not in params]
     if missing:
         raise CorruptCheckpointError(f"parameter {missing[0]!r} is missing ({len(missing)} in all)", path)
     out: dict[str, Any] = {}
     for key in manifest["keys"]:
         if key == "state_dict":
-            out[key] = OrderedDict((k, restore(params[k], k)) for k in manifest["state_dict"])
+            stored = {k: restore(params[k], k) for k in manifest["state_dict"] if k not in aliases}
+            # an alias is the very tensor of its first name, as tied weights are in the module
+            out[key] = OrderedDict((k, stored[aliases.get(k, k)]) for k in manifest["state_dict"])
             metadata = values.decode(manifest.get("state_dict_metadata"), source)
             if metadata is not None:
                 out[key]._metadata = metadata  # type: ignore[attr-defined]
@@ -185,6 +245,13 @@ def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str) -> dict[
 def _optimizer_from_ort(entry: dict[str, Any], ck: Checkpoint, source: values.TensorSource,
                         path: str) -> dict[str, Any]:
     group = ck.optimizer_groups.get(entry["group"])
+    ort_group = ck.optimizer_groups.get(GROUP_ZERO)
+    if entry["group"] == "optimizer0" and ort_group is not None:
+        # Lightning saved no group0 (the first optimizer is not Adam-like); ORT's Optimizer made one: it trained
+        warnings.warn(f"{path}: ONNX Runtime trained this checkpoint ({ort_group.step} optimizer steps) after "
+                      f"Lightning saved it; the weights are ORT's, but the first optimizer's state "
+                      f"({_state_kinds(entry)}) is Lightning's from before and is not what ORT used",
+                      CheckpointWarning, stacklevel=4)
     if group is None:
         # saved by ORT without optimizer state (its default): the hyperparameters are here, the moments are not
         warnings.warn(f"{path} holds no optimizer state (ONNX Runtime saves it only with "
@@ -207,6 +274,11 @@ def _optimizer_from_ort(entry: dict[str, Any], ck: Checkpoint, source: values.Te
             s["step"] = (torch.full_like(step, group.step) if isinstance(step, torch.Tensor)
                          else type(step)(group.step) if step is not None else step)
     return state
+
+
+def _state_kinds(entry: dict[str, Any]) -> str:
+    kinds = sorted({k for s in entry["state_dict"].get("state", {}).values() if isinstance(s, dict) for k in s})
+    return ", ".join(kinds) or "hyperparameters only"
 
 
 def plain_ort_to_lightning(ck: Checkpoint, lightning_version: str) -> dict[str, Any]:

@@ -16,20 +16,32 @@ JSON values stand for themselves, with these exceptions, each a one-key object w
                         ``{"__size__": [...]}`` a ``torch.Size``
 ``{"__dict__": [[k, v], ...]}``  a dict whose keys are not all strings, or that uses a tag as a key;
                         ``{"__odict__": [[k, v], ...]}`` an OrderedDict (other dict subclasses come back as dicts)
-``{"__numpy__": [dtype, v]}``  a numpy scalar (an IntEnum is saved as its int)
+``{"__numpy__": [dtype, v]}``  a numpy scalar
 ``{"__bytes__": b64}``  bytes; ``{"__dtype__": "float32"}`` a torch dtype; ``{"__device__": "cpu"}`` a device
 ``{"__path__": s}``     a pathlib path; ``{"__namespace__": {...}}`` an argparse Namespace
-``{"__unencodable__": s}``  a value with no faithful plain form (an ``nn.Module`` hparam, say): saved as a
-                        readable description, restored as that string, with a warning naming its key
+``{"__enum__": [q, v]}``  an ``enum.Enum`` member (``IntEnum`` and ``StrEnum`` too): ``q`` is its class's
+                        qualified name ``"module:Qual.Name"``, ``v`` the member's encoded value
+``{"__dataclass__": [q, {...}]}``  a dataclass instance: its class's qualified name and its ``init`` fields, encoded
+``{"__unencodable__": s}``  a value with no faithful plain form (an ``nn.Module`` hparam, a local class...): saved
+                        as a readable description with a warning naming its key; it loads as an
+                        :class:`Unsaved` placeholder that raises ``CheckpointError`` when used
 ==================  ================================================================================
+
+Classes are resolved by name only among modules the process has already imported (importing one runs its code,
+and a file's content must never choose what runs), and only to an ``Enum`` or dataclass: its constructor is the
+only code the file makes run. A class that cannot be resolved, or that no longer accepts the saved value (a member
+or field renamed since), loads as an :class:`Unsaved` placeholder naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
+import enum
 import math
 import pathlib
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,20 +50,84 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointWarning
+from ..errors import CheckpointError, CheckpointWarning
 
 TensorSink = Callable[[tuple[str, ...], torch.Tensor], Any]
 TensorSource = Callable[[Any], torch.Tensor]
 
 _TAGS = frozenset({"__tensor__", "__ndarray__", "__float__", "__tuple__", "__set__", "__dict__", "__odict__",
                    "__size__", "__numpy__",
-                   "__bytes__", "__dtype__", "__device__", "__path__", "__namespace__", "__unencodable__"})
+                   "__bytes__", "__dtype__", "__device__", "__path__", "__namespace__", "__enum__", "__dataclass__",
+                   "__unencodable__"})
+
+
+class Unsaved:
+    """A value the checkpoint could not keep (or whose class this process cannot resolve).
+
+    Any use of it (comparison, hashing, truth, attributes, iteration, arithmetic) raises ``CheckpointError``, so a
+    model built from loaded hyperparameters fails loudly instead of silently taking another branch; pass the value
+    again (``load_from_checkpoint(path, name=value)``) to replace it. ``repr`` and ``str`` give the description that
+    was saved.
+    """
+
+    __slots__ = ("_description",)
+
+    def __init__(self, description: str) -> None:
+        object.__setattr__(self, "_description", description)
+
+    def __repr__(self) -> str:  # str() too: loggers print hyperparameters
+        return object.__getattribute__(self, "_description")
+
+    def __deepcopy__(self, memo: Any) -> Unsaved:
+        return self
+
+    def __copy__(self) -> Unsaved:
+        return self
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise CheckpointError(f"a checkpoint value was not saved and cannot be used: {self!r}; pass it again "
+                              "(e.g. as a keyword argument of load_from_checkpoint) or save it in a form the "
+                              "checkpoint keeps (see lightning_ort_ckpt.translation.values)")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)  # protocol probes (copy, pickle, typing) are answered "absent"
+        return Unsaved._refuse(self)
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = __bool__ = __iter__ = _refuse
+    __len__ = __getitem__ = __contains__ = __int__ = __float__ = __index__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __setattr__ = _refuse
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _resolve(name: str, kind: str) -> type | None:
+    """The Enum or dataclass class named ``"module:Qual.Name"``, from modules already imported; else None."""
+    module_name, _, qualname = name.partition(":")
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split(".") if obj is not None else ():
+        if part.startswith("<"):
+            return None
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, type):
+        return None
+    ok = issubclass(obj, enum.Enum) if kind == "__enum__" else dataclasses.is_dataclass(obj)
+    return obj if ok else None
 
 
 def encode(value: Any, sink: TensorSink, path: tuple[str, ...] = ()) -> Any:
     """``value`` as JSON-ready data; tensors go to ``sink(path, tensor)``, which returns their reference."""
     if isinstance(value, np.generic):  # first: np.float64 is a float, np.int64 may pass as an int
         return {"__numpy__": [value.dtype.str, encode(value.item(), sink, path)]}
+    if isinstance(value, enum.Enum):  # before int and str: IntEnum and StrEnum members come back as members
+        if _resolve(_qualified_name(type(value)), "__enum__") is not type(value):
+            return _unencodable(value, path)
+        return {"__enum__": [_qualified_name(type(value)), encode(value.value, sink, (*path, "value"))]}
+    if isinstance(value, Unsaved):
+        return {"__unencodable__": repr(value)}
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
@@ -96,7 +172,19 @@ def encode(value: Any, sink: TensorSink, path: tuple[str, ...] = ()) -> Any:
         return {"__path__": str(value)}
     if isinstance(value, argparse.Namespace):
         return {"__namespace__": encode(vars(value), sink, path)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _encode_dataclass(value, sink, path)
     return _unencodable(value, path)
+
+
+def _encode_dataclass(value: Any, sink: TensorSink, path: tuple[str, ...]) -> Any:
+    """Its ``init`` fields by name, when they rebuild it: no non-init field, the class resolvable by name."""
+    cls = type(value)
+    fields = dataclasses.fields(value)
+    if any(not f.init for f in fields) or _resolve(_qualified_name(cls), "__dataclass__") is not cls:
+        return _unencodable(value, path)
+    return {"__dataclass__": [_qualified_name(cls),
+                              {f.name: encode(getattr(value, f.name), sink, (*path, f.name)) for f in fields}]}
 
 
 def decode(data: Any, source: TensorSource) -> Any:
@@ -145,7 +233,18 @@ def _decode_tagged(tag: str, body: Any, source: TensorSource) -> Any:
         return pathlib.Path(body)
     if tag == "__namespace__":
         return argparse.Namespace(**decode(body, source))
-    return body  # __unencodable__: the readable placeholder
+    if tag in ("__enum__", "__dataclass__"):
+        name, value = body
+        cls = _resolve(name, tag)
+        if cls is None:
+            return Unsaved(f"<{name}: its module is not imported in this process (import it before loading), or "
+                           f"it is no {'Enum' if tag == '__enum__' else 'dataclass'}>")
+        decoded = decode(value, source)
+        try:
+            return cls(decoded) if tag == "__enum__" else cls(**decoded)
+        except Exception as e:  # noqa: BLE001 - the class changed since the save (a member or field renamed...)
+            return Unsaved(f"<{name} cannot be rebuilt from {decoded!r}: {type(e).__name__}: {e}>")
+    return Unsaved(body)  # __unencodable__
 
 
 def _unencodable(value: Any, path: tuple[str, ...]) -> dict[str, str]:
@@ -154,6 +253,6 @@ def _unencodable(value: Any, path: tuple[str, ...]) -> dict[str, str]:
     if len(text) > 200:
         text = text[:197] + "..."
     warnings.warn(f"checkpoint{''.join(f'[{p!r}]' for p in path)} holds a {kind}, which has no pickle-free "
-                  f"encoding; it is saved as a readable description and will load as that string",
+                  f"encoding; it is saved as a readable description and loads as a placeholder that raises when used",
                   CheckpointWarning, stacklevel=3)
     return {"__unencodable__": f"<unsaved {kind}: {text}>"}
