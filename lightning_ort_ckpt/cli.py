@@ -179,7 +179,8 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
     props = [{"name": n, "type": type(v).__name__, "value": v} for n, v in reader.properties.items()]
     every = reader.tensors()
     return {
-        "file": reader.path, "files": files, "checksums": reader.checksum_status(), "version": reader.version, "nominal": reader.nominal,
+        "file": reader.path, "files": files, "checksums": reader.checksum_status(), "version": reader.version,
+        "nominal": reader.nominal,
         "external_data": reader.has_external_data, "parameters": params, "optimizer_groups": groups,
         "properties": props,
         "totals": {"trainable": len(reader.trainable), "frozen": len(reader.frozen),

@@ -134,8 +134,8 @@ def test_ort_loads_trains_and_resaves_a_checksummed_file(art, tmp_path):
     ours = tmp_path / "ours.ckpt"
     ck = load_checkpoint(art.checkpoint)
     assert ck.properties == {}
-    ck.optimizer_groups = {"group0": OptimizerGroup(2, 1e-3, {n: {"momentum0": torch.zeros_like(t), "momentum1":
-                                                                  torch.zeros_like(t)} for n, t in ck.trainable.items()})}
+    zeros = {n: {"momentum0": torch.zeros_like(t), "momentum1": torch.zeros_like(t)} for n, t in ck.trainable.items()}
+    ck.optimizer_groups = {"group0": OptimizerGroup(2, 1e-3, zeros)}
     save_checkpoint(ck, ours)
     state = api.CheckpointState.load_checkpoint(str(ours))
     assert PROPERTY in ort_properties(state)

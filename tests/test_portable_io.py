@@ -1,9 +1,9 @@
 """The portable I/O path: plain reads and writes, fsync and rename, with every Linux-only trick off.
 
-The round-trip and crash-safety suites (and the checksum round trip) run again here with ``LIGHTNING_ORT_CKPT_PORTABLE_IO=1`` (their
-tests are imported, so pytest collects them in this module, under its autouse fixture). A further test removes the
-Linux-only calls from ``os``, ``mmap`` and ``ctypes`` altogether, as on Windows, and checks that a save and a load
-still give the same bytes through feature detection alone.
+The round-trip and crash-safety suites (and the checksum round trip) run again here with
+``LIGHTNING_ORT_CKPT_PORTABLE_IO=1`` (their tests are imported, so pytest collects them in this module, under its
+autouse fixture). A further test removes the Linux-only calls from ``os``, ``mmap`` and ``ctypes`` altogether, as
+on Windows, and checks that a save and a load still give the same bytes through feature detection alone.
 """
 
 from __future__ import annotations
