@@ -5,7 +5,8 @@ identifier, the version, that every offset and length is inside the file, that d
 ``numel x itemsize`` equals the stored length (Python integers: no overflow), and that an external ``.data`` file is
 present and long enough. Any fault raises :class:`CorruptCheckpointError` naming the file and the fault; nothing is
 allocated from a size the file claims before that size is checked against the file. Tensor bytes are touched only
-when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads.
+when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads. Files written by this library record
+a checksum of every tensor (``checksums``): a full load verifies them all, the lazy reader on request.
 
 torch is imported only when tensors are requested; metadata and numpy access work without it.
 """
@@ -86,8 +87,8 @@ class CheckpointReader:
             self._mm: Any = _map(fd, min(size, MAX_FLATBUFFER_SIZE), self.path)  # a FlatBuffer ends before 2 GiB
             extent = self._parse()
             if in_memory:  # read what the structure uses, then parse that copy (the file may have changed since)
-                mapped, self._mm = self._mm, read_whole(fd, extent, self.path)
-                mapped.close()
+                self._mm.close()  # first: pages still mapped would stay in the page cache after the read
+                self._mm = read_whole(fd, extent, self.path)
                 self._parse()
         finally:
             os.close(fd)
