@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
+from .layout import MAX_FLATBUFFER_SIZE
 from .platform import portable_io
 
 BEHIND_BYTES = 8 << 20  # write-behind step: see WriteBehind
@@ -128,6 +129,19 @@ def open_regular(path: str, what: str = "checkpoint", owner: str | None = None) 
         os.close(fd)
         raise
     return fd
+
+
+def data_extent(fd: int, size: int) -> int:
+    """How much of a checkpoint file of ``size`` bytes a whole-file read takes: no more than a FlatBuffer can be
+    (2 GiB), and, where the system reports holes (``SEEK_HOLE``), nothing from the first hole on: a valid file
+    followed by a huge sparse tail costs no more memory than the file alone. Checkpoints have no holes."""
+    extent = min(size, MAX_FLATBUFFER_SIZE)
+    if hasattr(os, "SEEK_HOLE") and not portable_io():
+        try:
+            extent = min(extent, os.lseek(fd, 0, os.SEEK_HOLE))
+        except OSError:  # the file system does not say
+            pass
+    return extent
 
 
 def _check_regular(mode: int, label: str, where: str) -> None:

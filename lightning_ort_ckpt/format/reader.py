@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import atomic, checksums
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
-from .diskio import open_regular, read_whole
+from .diskio import data_extent, open_regular, read_whole
 from .dtypes import DataType
 from .layout import MAX_FLATBUFFER_SIZE
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
@@ -70,8 +70,8 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike[str], *, in_memory: bool = False, verify: bool = False) -> None:
         """``in_memory=True`` reads the whole file (and its ``.data``) into memory at once instead of mapping it:
-        the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``). Only the bytes
-        the checkpoint's structure uses are read: a file with a long tail costs no more memory than one without.
+        the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``). A FlatBuffer
+        ends before 2 GiB and before the file's first hole (``diskio.data_extent``): a tail beyond is never read.
         ``verify=True`` checks each tensor against its recorded checksum when it is read (:meth:`verify_tensor`)."""
         self.path = os.fspath(path)
         atomic.recover(self.path)
@@ -84,14 +84,11 @@ class CheckpointReader:
             size = os.fstat(fd).st_size
             if size < 8:
                 raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {size} bytes", self.path)
-            self._mm: Any = _map(fd, min(size, MAX_FLATBUFFER_SIZE), self.path)  # a FlatBuffer ends before 2 GiB
-            extent = self._parse()
-            if in_memory:  # read what the structure uses, then parse that copy (the file may have changed since)
-                self._mm.close()  # first: pages still mapped would stay in the page cache after the read
-                self._mm = read_whole(fd, extent, self.path)
-                self._parse()
+            self._mm: Any = (read_whole(fd, data_extent(fd, size), self.path) if in_memory
+                             else _map(fd, min(size, MAX_FLATBUFFER_SIZE), self.path))
         finally:
             os.close(fd)
+        self._parse()
 
     # -- public -------------------------------------------------------------------------------------------------
     version: int
@@ -227,8 +224,7 @@ class CheckpointReader:
     def _fail(self, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, self.path)
 
-    def _parse(self) -> int:
-        """Parse and check the structure; the end of the last byte it uses."""
+    def _parse(self) -> None:
         p = _Parser(self._mm, self._fail)
         if bytes(self._mm[4:8]) != FILE_IDENTIFIER:
             raise self._fail(f"not an ORT checkpoint: file identifier is {bytes(self._mm[4:8])!r}, expected 'ODTC'")
@@ -263,7 +259,6 @@ class CheckpointReader:
         self.properties = self._properties(p, p.offset(root, CheckpointSlot.PROPERTY_BAG))
         self._check_external_data()
         self._read_checksums()
-        return p.high
 
     def _tensor(self, p: _Parser, pos: int, kind: Kind, where: str) -> TensorInfo:
         t = p.table(pos, where)
@@ -489,14 +484,12 @@ class _Parser:
         self.buf = buf
         self.size = len(buf)
         self.fail = fail
-        self.high = 8  # the end of the furthest byte checked so far: what the structure uses of the file
 
     def _check(self, pos: int, nbytes: int, align: int, what: str) -> None:
         if pos < 0 or pos + nbytes > self.size:
             raise self.fail(f"{what} at byte {pos:,} lies outside the file ({self.size:,} bytes): truncated or damaged")
         if pos % align:
             raise self.fail(f"{what} at byte {pos:,} is not {align}-byte aligned")
-        self.high = max(self.high, pos + nbytes)
 
     def u32(self, pos: int, what: str) -> int:
         self._check(pos, 4, 4, what)
