@@ -3,8 +3,9 @@
 Saving has two steps, as in ``torch.distributed.checkpoint``: *planning* lays out every byte of the file with
 :class:`LayoutBuilder` (names, dims and offsets only), then *streaming* copies tensor bytes from each tensor's own
 memory to the file (with write-behind: see ``diskio``). Peak extra memory is, for a tensor that is not contiguous
-or not on the CPU, one bounded chunk of it; the file is never assembled in memory. The commit is atomic (see
-``atomic``).
+or not on the CPU, one bounded chunk of it; the file is never assembled in memory. Each tensor's checksum is
+computed as it streams (see ``checksums``) and written into the planned record before the commit, which is atomic
+(see ``atomic``).
 
 Build order follows ORT's ``FromCheckpointState``: parameters sorted by name (trainable, then frozen), optimizer
 groups, parameters and momentums sorted, properties sorted across the bag, then the root table.
