@@ -3,7 +3,8 @@
 Lightning resumes its loops from the counters in ``checkpoint["loops"]`` (and reports ``epoch`` and
 ``global_step``); it compares them with ``max_epochs`` and ``max_steps``. A counter that is NaN compares false with
 everything, so a run resumed from it never stops; a negative or float one silently changes how long it trains. A
-file is not trusted with that: every number there must be a count, a non-negative integer that fits in int64.
+file is not trusted with that: every progress counter there must be a count, a non-negative integer that fits in
+int64 (the rest of the loop state, a data loader's own say, is not checked).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 
 _TOP_LEVEL = ("epoch", "global_step")
+_COUNTERS = {"ready", "started", "processed", "completed", "_batches_that_stepped"}
 _MAX = 2**63
 
 
@@ -31,16 +33,16 @@ def check_counters(checkpoint: Any, path: str) -> Any:
 
 
 def _walk(value: Any, where: str, path: str, depth: int) -> None:
-    if depth > 32:  # Lightning's loop state is a few levels deep
-        raise CorruptCheckpointError(f"its loop state is damaged: {where} is nested {depth} levels deep", path)
-    if isinstance(value, dict):
-        for k, v in value.items():
+    """Check every progress counter (``ready``, ``started``, ``processed``, ``completed``,
+    ``_batches_that_stepped``) in the loop state; the rest (a data loader's own state, say) is not Lightning's to
+    count with."""
+    if depth > 32 or not isinstance(value, dict):  # Lightning's progress tracking is a few dicts deep
+        return
+    for k, v in value.items():
+        if k in _COUNTERS and not isinstance(v, dict):
+            _check(v, f"{where}[{k!r}]", path)
+        else:
             _walk(v, f"{where}[{k!r}]", path, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _walk(v, f"{where}[{i}]", path, depth + 1)
-    elif not isinstance(value, (bool, str)) and value is not None:
-        _check(value, where, path)
 
 
 def _check(value: Any, where: str, path: str) -> None:
