@@ -248,3 +248,21 @@ def test_resume_last_falls_back_past_damage(tmp_path, damage):
         trainer = fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 3, ckpt_path="last")
     assert trainer.ckpt_path == str(tmp_path / name(0, 4))
     assert trainer.lightning_module.steps_run == 8 and trainer.global_step == 12
+
+
+def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch):
+    """Large checkpoints are verified on two threads; a damaged tensor in either thread's half is named."""
+    from lightning_ort_ckpt.format import reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "_PARALLEL_VERIFY_BYTES", 0)
+    path = tmp_path / "ck.ckpt"
+    save_checkpoint(sample(), path)
+    load_checkpoint(path)
+    original = path.read_bytes()
+    with open_checkpoint(path) as reader:
+        infos = [(reader._keys[id(i)], i.offset) for i in reader.tensors() if i.nbytes]
+    for key, offset in infos[:2]:  # the first tensor of each thread's half
+        flip(path, offset)
+        with pytest.raises(CorruptCheckpointError, match=re.escape(repr(key.split(":", 1)[1]))):
+            load_checkpoint(path)
+        path.write_bytes(original)

@@ -18,6 +18,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -137,9 +138,36 @@ class CheckpointReader:
         self._verified.add(id(info))
 
     def verify(self) -> None:
-        """Check every tensor against its recorded checksum (see :meth:`verify_tensor`)."""
-        for info in self.tensors():
-            self.verify_tensor(info)
+        """Check every tensor against its recorded checksum (see :meth:`verify_tensor`). Large checkpoints are
+        hashed on two threads (the hash releases the GIL), each taking every other tensor."""
+        infos = self.tensors()
+        if self.checksums is None or not self.checksums.usable:
+            return
+        if sum(i.nbytes for i in infos) < _PARALLEL_VERIFY_BYTES:
+            for info in infos:
+                self.verify_tensor(info)
+            return
+        errors: list[BaseException | None] = [None, None]
+
+        def run(part: int) -> None:
+            try:
+                for info in infos[part::2]:
+                    self.verify_tensor(info)
+            except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+                errors[part] = e
+
+        helper = threading.Thread(target=run, args=(1,), name="ort-ckpt-verify", daemon=True)
+        try:
+            helper.start()
+        except RuntimeError:  # interpreter shutting down: one thread does it all
+            helper = None
+            run(1)
+        run(0)
+        if helper is not None:
+            helper.join()
+        for error in errors:
+            if error is not None:
+                raise error
 
     def get_tensor(self, name: str) -> Any:
         """A parameter or buffer as a torch tensor, zero-copy from the file where alignment allows."""
@@ -466,6 +494,7 @@ def _map(fd: int, length: int, path: str) -> mmap.mmap:
         raise CheckpointError(f"cannot map the file into memory: {e.strerror or e}", path) from None
 
 
+_PARALLEL_VERIFY_BYTES = 256 << 20  # below this, one thread verifies: starting another costs more than it saves
 _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
 
