@@ -3,6 +3,10 @@ safetensors, ONNX Runtime's own checkpoint code, and raw file I/O of the same nu
 
     python benchmarks/save_load.py --params 25 250 --repeat 7 2
     python benchmarks/save_load.py --quick          # a few seconds: a smoke run on a 2M-parameter state
+    python benchmarks/save_load.py --params 25 250 --repeat 5 --only ours ours_nosum   # what checksums cost
+
+"ours_nosum" is our writer with ``checksums=False`` and our loader with ``verify=False`` (on the same file as
+"ours"): the ratio of the two, measured in one run, is the cost of recording and verifying tensor checksums.
 
 The state is a synthetic transformer-like model of N million float32 parameters (token and position embeddings,
 layers of attention q/k/v/o weights and biases, MLP weights and biases, LayerNorms, a final LayerNorm) plus a few
@@ -55,8 +59,9 @@ MB = 1e6
 PAGE = mmap.PAGESIZE
 SEED = 1234
 STEP = 1000
-SAVE_METHODS = ["raw", "raw_behind", "ours", "torch", "lightning", "safetensors", "ort"]
-LOAD_METHODS = ["raw", "raw_huge", "alloc", "ours", "ours_lazy", "torch", "safetensors", "ort"]
+SAVE_METHODS = ["raw", "raw_behind", "ours", "ours_nosum", "torch", "lightning", "safetensors", "ort"]
+LOAD_METHODS = ["raw", "raw_huge", "alloc", "ours", "ours_nosum", "ours_lazy", "torch", "safetensors", "ort"]
+CHECKSUM_SAVE_MAX, CHECKSUM_LOAD_MAX = 1.05, 1.10  # what recording / verifying tensor checksums may cost
 PAUSE_S = 2.0  # between children: the guest hands freed memory back to its host after about 2 s
 LABELS = {
     "raw": "raw write/read (baseline)",
@@ -64,13 +69,15 @@ LABELS = {
     "raw_huge": "(raw read into huge-page memory, as our reader allocates)",
     "alloc": "(first touch of fresh memory only, no I/O)",
     "ours": "ours save_/load_checkpoint",
+    "ours_nosum": "(ours without checksums: checksums=False / verify=False)",
     "ours_lazy": "ours open_checkpoint (lazy mmap)",
     "torch": "torch.save / torch.load(weights_only)",
     "lightning": "Lightning TorchCheckpointIO",
     "safetensors": "safetensors save_file/load_file",
     "ort": "ORT CheckpointState native",
 }
-FILE_NAMES = {"raw": "raw.bin", "raw_behind": "raw_behind.bin", "ours": "ours.ckpt", "torch": "torch.pt",
+FILE_NAMES = {"raw": "raw.bin", "raw_behind": "raw_behind.bin", "ours": "ours.ckpt", "ours_nosum": "nosum.ckpt",
+              "torch": "torch.pt",
               "lightning": "lightning.ckpt", "safetensors": "state.safetensors", "ort": "ort.ckpt"}
 
 
@@ -322,7 +329,8 @@ def child_save(method: str, n_million: float, path: str, raw_size: int, ours_pat
     else:
         state = build_state(n_million)
         res["state_bytes"] = state_bytes(state)
-        obj = {"ours": as_ours, "torch": as_lightning, "lightning": as_lightning, "safetensors": as_flat}[method](state)
+        obj = {"ours": as_ours, "ours_nosum": as_ours, "torch": as_lightning, "lightning": as_lightning,
+               "safetensors": as_flat}[method](state)
 
     mode = "auto"
     rss0 = _status("VmRSS")
@@ -340,8 +348,8 @@ def child_save(method: str, n_million: float, path: str, raw_size: int, ours_pat
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        elif method == "ours":
-            save_checkpoint(obj, path, external_data=mode)  # fsyncs the file(s), renames, fsyncs the directory
+        elif method in ("ours", "ours_nosum"):  # fsyncs the file(s), renames, fsyncs the directory
+            save_checkpoint(obj, path, external_data=mode, checksums=method == "ours")
         elif method == "torch":
             torch.save(obj, path)
             _fsync_path(path)
@@ -359,7 +367,7 @@ def child_save(method: str, n_million: float, path: str, raw_size: int, ours_pat
         res["error"] = f"{type(e).__name__}: {e}".strip()[:400]
     res["seconds"] = time.perf_counter() - t0
     res["peak_extra"] = _status("VmHWM") - rss0
-    if method == "ours":
+    if method in ("ours", "ours_nosum"):
         atomic.wait_for_cleanup()
     res["files"] = {os.path.basename(p): os.path.getsize(p) for p in files_of(method, path)}
     return res
@@ -404,8 +412,8 @@ def child_load(method: str, path: str, cold: bool) -> dict[str, Any]:
                         raise EOFError(path)
                     pos += n
             keep = [torch.from_numpy(buf)]
-        elif method == "ours":
-            keep = tensors_in(load_checkpoint(path))
+        elif method in ("ours", "ours_nosum"):  # the same file; with and without verifying every tensor
+            keep = tensors_in(load_checkpoint(path, verify=method == "ours"))
         elif method == "ours_lazy":  # zero-copy views of the mapping; they stay valid after the reader closes
             with open_checkpoint(path) as reader:
                 keep = [reader.torch(i) for i in reader.tensors() if i.storage in ("inline", "external")]
@@ -541,7 +549,7 @@ def fmt_mb(x: float | None) -> str:
     return "-" if x is None or x != x else f"{x / MB:,.1f}"
 
 
-def bench_size(n_million: float, repeat: int, root: str, log: Any) -> dict[str, Any]:
+def bench_size(n_million: float, repeat: int, root: str, log: Any, only: set[str] | None = None) -> dict[str, Any]:
     directory = os.path.join(root, f"{n_million:g}M")
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
@@ -552,8 +560,10 @@ def bench_size(n_million: float, repeat: int, root: str, log: Any) -> dict[str, 
     state_b = 0
     for r in range(repeat):
         # ours first: the raw baselines write as many bytes as our checkpoint has
-        order = ["ours", "raw", "raw_behind", "torch", "lightning", "safetensors", "ort"]
+        order = ["ours", "ours_nosum", "raw", "raw_behind", "torch", "lightning", "safetensors", "ort"]
         for m in order:
+            if only is not None and m not in only:
+                continue
             remove([paths[m]], directory)
             evict_all(directory)
             time.sleep(PAUSE_S)
@@ -569,14 +579,16 @@ def bench_size(n_million: float, repeat: int, root: str, log: Any) -> dict[str, 
                 f"{'  ERROR ' + res['error'] if 'error' in res else ''}")
     os.sync()
     load_paths = dict(paths)
-    load_paths["ours_lazy"] = paths["ours"]
+    load_paths["ours_lazy"] = load_paths["ours_nosum"] = paths["ours"]
     ort_note = ""
-    if not os.path.exists(paths["ort"]):
+    if not os.path.exists(paths["ort"]) and (only is None or "ort" in only):
         load_paths["ort"] = paths["ours"]
         ort_note = "ORT save failed, so ORT loads the file our writer wrote (same format)"
     loads: dict[tuple[str, str], list[dict[str, Any]]] = {(m, c): [] for m in LOAD_METHODS for c in ("cold", "warm")}
     for r in range(repeat):
         for m in LOAD_METHODS:
+            if only is not None and m not in only:
+                continue
             for c in ("cold", "warm"):
                 evict_all(directory)  # the child then evicts (cold) or reads (warm) its own files
                 time.sleep(PAUSE_S)
@@ -590,8 +602,8 @@ def bench_size(n_million: float, repeat: int, root: str, log: Any) -> dict[str, 
     return {"params_million": n_million, "shape": None, "repeat": repeat, "state_bytes": state_b,
             "loadavg": {"median": _median(loads_seen), "max": max(loads_seen)},
             "raw_size": raw_size, "ort_note": ort_note,
-            "save": {m: summarize(v) for m, v in saves.items()},
-            "load": {f"{m}/{c}": summarize(v) for (m, c), v in loads.items()}}
+            "save": {m: summarize(v) for m, v in saves.items() if v},
+            "load": {f"{m}/{c}": summarize(v) for (m, c), v in loads.items() if v}}
 
 
 def report(res: dict[str, Any]) -> str:
@@ -600,10 +612,12 @@ def report(res: dict[str, Any]) -> str:
     lines.append(f"### {res['params_million']:g}M parameters + AdamW: state {sb / MB:,.1f} MB, "
                  f"{res['repeat']} repeat(s), medians")
     lines.append("")
-    raw = res["save"]["raw"].get("seconds")
+    raw = res["save"].get("raw", {}).get("seconds")
     lines.append("| save (fsync included) | seconds | x raw write | min-max s | file size MB | peak extra MB |")
     lines.append("|---|---:|---:|---:|---:|---:|")
     for m in SAVE_METHODS:
+        if m not in res["save"]:
+            continue
         s = res["save"][m]
         if "seconds" not in s:
             lines.append(f"| {LABELS[m]} | fails: {'; '.join(sorted(set(s['errors'])))} | | | | |")
@@ -614,12 +628,14 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"| {label} | {fmt_s(s['seconds'])} | {fmt_x(s['seconds'], raw)} | {spread(s)} | {size} | "
                      f"{fmt_mb(s['peak_extra'])} |")
     lines.append("")
-    rc = res["load"]["raw/cold"].get("seconds")
-    rw = res["load"]["raw/warm"].get("seconds")
+    rc = res["load"].get("raw/cold", {}).get("seconds")
+    rw = res["load"].get("raw/warm", {}).get("seconds")
     lines.append("| load + touch | cold s | x raw read | cold min-max | warm s | x raw read | warm min-max "
                  "| peak extra MB (total) | beyond loaded tensors MB |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in LOAD_METHODS:
+        if f"{m}/cold" not in res["load"]:
+            continue
         c, w = res["load"][f"{m}/cold"], res["load"][f"{m}/warm"]
         if "seconds" not in c or "seconds" not in w:
             errs = sorted(set(c["errors"] + w["errors"]))
@@ -632,36 +648,54 @@ def report(res: dict[str, Any]) -> str:
                      f"{fmt_mb(peak - loaded)} |")
     lines.append("")
     lines.append("raw timings (s): " + "; ".join(
-        f"save {m} {res['save'][m].get('all_seconds')}" for m in SAVE_METHODS) + "; " + "; ".join(
+        f"save {m} {res['save'][m].get('all_seconds')}" for m in SAVE_METHODS if m in res["save"]) + "; " + "; ".join(
         f"load {k} {v.get('all_seconds')}" for k, v in res["load"].items()))
     lines.append("")
     lines.append(f"1-minute load average during the measurements (2 CPUs, shared machine): median "
                  f"{res['loadavg']['median']:.1f}, max {res['loadavg']['max']:.1f}")
     lines.append("")
     lines.append("page-cache residency before cold loads (max over repeats): " + ", ".join(
-        f"{m} {res['load'][f'{m}/cold'].get('resident_before', float('nan')):.3f}" for m in LOAD_METHODS))
+        f"{m} {res['load'][f'{m}/cold'].get('resident_before', float('nan')):.3f}" for m in LOAD_METHODS
+        if f"{m}/cold" in res["load"]))
     if res["ort_note"]:
         lines.append("")
         lines.append("note: " + res["ort_note"])
     # targets
-    o = res["save"]["ours"]
+    lines.append("")
+    lines.append(checksum_cost(res))
+    o = res["save"].get("ours", {})
     ckpt = sum(o.get("files", {}).values())
     lines.append("")
     if "seconds" in o and raw and raw == raw:
         limit = max(64 * 2**20, 0.05 * ckpt)
         lines.append(f"target save <= 1.10x raw write: {o['seconds'] / raw:.2f}x -> "
                      f"{'met' if o['seconds'] / raw <= 1.10 else 'MISSED'}")
-        rb = res["save"]["raw_behind"].get("seconds")
+        rb = res["save"].get("raw_behind", {}).get("seconds")
         if rb:
             lines.append(f"(for information: our save / raw write with write-behind: {o['seconds'] / rb:.2f}x)")
         lines.append(f"target save peak extra < max(64 MiB, 5% of checkpoint) = {limit / MB:,.1f} MB: "
                      f"{o['peak_extra'] / MB:,.1f} MB -> {'met' if o['peak_extra'] < limit else 'MISSED'}")
     for c, base in (("cold", rc), ("warm", rw)):
-        lo = res["load"][f"ours/{c}"]
+        lo = res["load"].get(f"ours/{c}", {})
         if "seconds" in lo and base and base == base:
             x = lo["seconds"] / base
             lines.append(f"target full load {c} <= 1.30x raw read: {x:.2f}x -> {'met' if x <= 1.30 else 'MISSED'}")
     return "\n".join(lines)
+
+
+def checksum_cost(res: dict[str, Any]) -> str:
+    """Save and load with tensor checksums against the same without, measured in this run (medians)."""
+    rows = []
+    pairs = [("save", res["save"].get("ours", {}), res["save"].get("ours_nosum", {}), CHECKSUM_SAVE_MAX)]
+    pairs += [(f"load {c}", res["load"].get(f"ours/{c}", {}), res["load"].get(f"ours_nosum/{c}", {}),
+               CHECKSUM_LOAD_MAX) for c in ("cold", "warm")]
+    for what, with_, without, limit in pairs:
+        if "seconds" not in with_ or "seconds" not in without:
+            continue
+        x = with_["seconds"] / without["seconds"]
+        rows.append(f"target checksum cost, {what} <= {limit:.2f}x: {with_['seconds']:.3f} s / "
+                    f"{without['seconds']:.3f} s = {x:.3f}x -> {'met' if x <= limit else 'MISSED'}")
+    return "\n".join(rows) or "checksum cost: not measured (run ours and ours_nosum)"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -673,6 +707,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=os.path.join(here, "out", "save_load"), help="scratch directory")
     ap.add_argument("--quick", action="store_true", help="a tiny smoke run (2M params, 1 repeat)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint files afterwards")
+    ap.add_argument("--only", nargs="+", choices=sorted(set(SAVE_METHODS) | set(LOAD_METHODS)),
+                    help="measure only these methods (e.g. --only ours ours_nosum raw: the checksum cost)")
     args = ap.parse_args(argv)
     if args.quick:
         args.params, args.repeat = [2.0], [1]
@@ -708,7 +744,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.monotonic()
     for n, rep in zip(args.params, repeats):
         log(f"\n== {n:g}M parameters, {rep} repeat(s); model shape {model_shape(n)} ==")
-        res = bench_size(n, rep, root, log)
+        res = bench_size(n, rep, root, log, set(args.only) if args.only else None)
         res["shape"] = model_shape(n)
         results.append(res)
         log("")

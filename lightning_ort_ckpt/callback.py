@@ -44,10 +44,11 @@ from typing import Any, Literal
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from .errors import CheckpointError, CheckpointWarning
-from .format import open_checkpoint
+from .format import load_checkpoint, open_checkpoint
 from .format.writer import ExternalData
 from .namespaces import loaded, namespace_of
-from .translation.lightning import MANIFEST
+from .torch_files import load_torch_file
+from .translation.lightning import MANIFEST, from_ort
 from . import lightning_compat, rng
 from .plugin import RNG_KEY, OrtCheckpointIOMixin, is_ort_checkpoint, plugin_class_for
 
@@ -432,14 +433,22 @@ def _mtime(path: str) -> float:
 
 
 def _unreadable(path: str) -> str | None:
-    """Why ``path`` cannot be resumed from, or None. Torch files are taken on trust (Lightning reads them)."""
+    """Why ``path`` cannot be resumed from, or None: the full read a resume does, with every tensor checked against
+    its checksum and the Lightning metadata decoded. A torch file must load with ``weights_only=True``."""
+    import torch  # loaded with Lightning by now
+
     if not os.path.exists(path):
         return "missing"
-    if not is_ort_checkpoint(path):
-        return None if os.path.getsize(path) > 0 else "empty file"
     try:
-        with open_checkpoint(path):
-            return None
+        with warnings.catch_warnings():  # what the resume itself will say, said once
+            warnings.simplefilter("ignore")
+            if not is_ort_checkpoint(path):
+                load_torch_file(torch.load, path, "cpu", True)
+                return None
+            ck = load_checkpoint(path)
+            if MANIFEST in ck.properties:
+                from_ort(ck, path)
+        return None
     except CheckpointError as e:
         return str(e).removeprefix(f"{path}: ")
 

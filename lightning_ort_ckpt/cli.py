@@ -1,23 +1,29 @@
 """The ``ort-ckpt`` command: look inside and check ORT checkpoints. Runs without torch.
 
-``ort-ckpt inspect FILE [--json]`` lists tensors, optimizer groups, properties and totals; ``ort-ckpt verify FILE``
-runs every check of the reader and exits 0 when the file is valid, 1 when it is not; ``ort-ckpt export FILE --module
-pkg.mod:Class --output model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs torch).
+``ort-ckpt inspect FILE [--json]`` lists tensors, optimizer groups, properties and totals (``--json``: strict JSON;
+non-finite floats are the strings "nan", "inf", "-inf"); ``ort-ckpt verify FILE`` runs every check of the reader,
+checks every tensor against its recorded checksum and that the Lightning metadata decodes (fully when torch is
+installed), and exits 0 when the file is valid, 1 when it is not, naming what is wrong; ``ort-ckpt export FILE
+--module pkg.mod:Class --output model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs
+torch). Failures print one ``error: ...`` line, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from . import __version__
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .format.reader import CheckpointReader, TensorInfo
 from .translation import FORMAT, MANIFEST
 
@@ -42,11 +48,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                           help="largest accepted |ONNX Runtime - torch| on the example input (default 1e-5)")
     p_export.add_argument("--external-data", action="store_true", help="keep the weights in <output>.data")
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:  # `ort-ckpt inspect FILE | head`: the reader left; say nothing more
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a command line prints one error line, never a traceback
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Exit status: 0 done, 1 the file is invalid or the command failed (an ``error:`` line says why)."""
     if args.command == "export":
         return _export(args)
     try:
         with CheckpointReader(args.file) as reader:
             report = describe(reader)
+            if args.command == "verify":
+                reader.verify()
+                report["lightning_check"] = _check_lightning(reader)
     except CheckpointError as e:
         if args.command == "inspect" and args.json:
             print(json.dumps({"file": args.file, "valid": False, "error": str(e)}))
@@ -55,21 +79,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if args.command == "verify":
         print(f"OK {args.file}: {_summary(report)}")
+        verified = reader.checksums is not None and reader.checksums.usable
+        print(f"  checksums: {report['checksums']}" + (", every tensor matches" if verified else ""))
+        if report["lightning_check"]:
+            print(f"  Lightning metadata: {report['lightning_check']}")
         for warning in report["ort_warnings"]:
             print(f"  note: {warning}")
         return 0
-    print(json.dumps(report, indent=2) if args.json else _render(report))
+    print(json.dumps(_json_safe(report), indent=2, allow_nan=False) if args.json else _render(report))
     return 0
+
+
+def _check_lightning(reader: CheckpointReader) -> str | None:
+    """That the Lightning metadata decodes (raises CheckpointError if not); None for a file without it. With torch,
+    the whole Lightning checkpoint dict is rebuilt as a resume would; without, the manifest's structure is checked."""
+    if MANIFEST not in reader.properties:
+        return None
+    try:
+        from .translation.lightning import from_ort
+    except ImportError:  # torch is not installed: what can be checked without it
+        manifest = _manifest(reader.properties[MANIFEST])
+        if manifest is None:
+            raise CorruptCheckpointError(f"its Lightning metadata ({MANIFEST}) does not decode", reader.path) from None
+        missing = [n for n in manifest.get("state_dict", []) if n not in reader.trainable and n not in reader.frozen]
+        if missing:
+            raise CorruptCheckpointError(f"parameter {missing[0]!r} named in its Lightning metadata is missing",
+                                         reader.path)
+        return "the manifest decodes (torch is not installed: tensors not matched against it)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpoint = from_ort(reader.load(verify=False), reader.path)  # verified just before
+    return f"decodes ({len(checkpoint)} keys, epoch {checkpoint.get('epoch')}, global step " \
+           f"{checkpoint.get('global_step')})"
+
+
+def _manifest(text: Any) -> dict[str, Any] | None:
+    """The Lightning manifest of this project, or None (another file, or damaged beyond decoding)."""
+    try:
+        doc = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as the strings "nan", "inf", "-inf": JSON has no such numbers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _export(args: argparse.Namespace) -> int:
     from .export import export_onnx, load_module_class  # torch and onnxruntime: only for this command
 
     try:
-        report = export_onnx(load_module_class(args.module), args.file, args.output, tolerance=args.tolerance,
+        module_class = load_module_class(args.module)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BaseException as e:  # noqa: BLE001 - the user's module ran and failed (SyntaxError, SystemExit, ...)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        print(f"error: cannot import --module {args.module}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    try:
+        report = export_onnx(module_class, args.file, args.output, tolerance=args.tolerance,
                              external_data=args.external_data or None)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != args.output else ""
+        print(f"error: cannot write {args.output}{where}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except TypeError as e:  # load_from_checkpoint could not construct the class (it needs arguments)
+        print(f"error: cannot build {args.module} from the checkpoint: {e}", file=sys.stderr)
         return 1
     print(report)
     return 0
@@ -91,7 +179,8 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
     props = [{"name": n, "type": type(v).__name__, "value": v} for n, v in reader.properties.items()]
     every = reader.tensors()
     return {
-        "file": reader.path, "files": files, "version": reader.version, "nominal": reader.nominal,
+        "file": reader.path, "files": files, "checksums": reader.checksum_status(), "version": reader.version,
+        "nominal": reader.nominal,
         "external_data": reader.has_external_data, "parameters": params, "optimizer_groups": groups,
         "properties": props,
         "totals": {"trainable": len(reader.trainable), "frozen": len(reader.frozen),
@@ -106,14 +195,14 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
 
 def _lightning_summary(manifest: Any) -> dict[str, Any] | None:
     """Epoch, step and version of a Lightning run saved by this project (None for other files)."""
+    doc = _manifest(manifest)
+    if doc is None:
+        return None
     try:
-        doc = json.loads(manifest)
-        if doc.get("format") != FORMAT:
-            return None
         found = doc["values"]
         return {"epoch": found.get("epoch"), "global_step": found.get("global_step"),
                 "lightning_version": found.get("pytorch-lightning_version"),
-                "keys": [k for k in doc["keys"] if k != "state_dict"]}
+                "keys": [str(k) for k in doc["keys"] if k != "state_dict"]}
     except (TypeError, ValueError, KeyError, AttributeError):
         return None
 
@@ -170,7 +259,7 @@ def _f32(value: float) -> str:
 def _render(r: dict[str, Any]) -> str:
     lines = [f"{path}: {_size(size)}" for path, size in r["files"].items()]
     lines.append(f"format ODTC version {r['version']}; external data: {'yes' if r['external_data'] else 'no'}; "
-                 f"nominal: {'yes' if r['nominal'] else 'no'}")
+                 f"nominal: {'yes' if r['nominal'] else 'no'}; {r['checksums']}")
     if r["parameters"]:
         width = max(len(p["name"]) for p in r["parameters"])
         lines += ["", f"{'parameter':<{width}}  {'kind':<9}  {'dtype':<14}  {'shape':<18}  {'bytes':>12}  storage"]

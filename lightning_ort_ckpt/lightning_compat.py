@@ -116,6 +116,10 @@ def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(path_or_url, (str, os.PathLike)):
             if not os.fspath(path_or_url).startswith(("http://", "https://")) and is_ort_checkpoint(path_or_url):
                 return load_ort_for_lightning(path_or_url, map_location)
+            from .torch_files import load_torch_file  # weights_only=True unless asked otherwise; our error
+
+            weights_only = args[0] if args else kwargs.pop("weights_only", None)
+            return load_torch_file(original, path_or_url, map_location, weights_only)
         elif _is_ort_stream(path_or_url):
             with tempfile.TemporaryDirectory(prefix="ort-ckpt-") as tmp:
                 path = os.path.join(tmp, "checkpoint.ckpt")

@@ -41,11 +41,13 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import lightning_compat, rng, staging
-from .errors import CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
 from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
+from .format.diskio import open_regular
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
 from .namespaces import Namespace, loaded, namespace_of
+from .torch_files import load_torch_file
 from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort, with_aliases
 from .translation.optimizers import torch_state_from_ort
 
@@ -110,7 +112,7 @@ class OrtCheckpointIOMixin:
         self.wait()
         if not is_ort_checkpoint(path):
             torch_io = loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")
-            return torch_io().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return load_torch_file(torch_io().load_checkpoint, path, map_location, weights_only)
         strategy = self._owner_strategy()
         checkpoint = read_lightning_checkpoint(path, strategy)
         states = checkpoint.get(RNG_KEY)  # left in the dict: OrtCheckpoint may need them again (on_train_start)
@@ -214,10 +216,15 @@ class _Worker:
 def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` holds an ORT checkpoint (by its file identifier, not its name)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+        fd = open_regular(os.fspath(path))  # a FIFO must not block the test, nor a symlink loop raise
+    except (OSError, CheckpointError):
+        return False
+    try:
+        head = os.read(fd, 8)
     except OSError:
         return False
+    finally:
+        os.close(fd)
     return head[4:8] == FILE_IDENTIFIER
 
 

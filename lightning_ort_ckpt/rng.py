@@ -40,4 +40,7 @@ def restore(states: dict[str, Any]) -> None:
 def _python_state(state: Any) -> tuple[Any, ...]:
     """random.setstate wants (version, tuple of 625 ints, gauss); capture stores the ints as one tensor."""
     version, internal, gauss = state
-    return version, tuple(int(v) for v in (internal.tolist() if isinstance(internal, torch.Tensor) else internal)), gauss
+    words = tuple(int(v) for v in (internal.tolist() if isinstance(internal, torch.Tensor) else internal))
+    if not all(0 <= w < 2**32 for w in words):  # Mersenne Twister words; random.setstate would overflow
+        raise ValueError("Python's random state holds a value that is not a 32-bit word")
+    return version, words, gauss

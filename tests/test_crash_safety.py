@@ -131,10 +131,11 @@ def assert_is_a(path: Path, mode: str) -> None:
     if mode == "params":
         assert data_file(path).read_bytes() == Path(str(ref) + ".data").read_bytes(), "the .data file changed"
     assert_same_checkpoint(load_checkpoint(path), expected(1))
-    with open_checkpoint(path) as r:
+    with open_checkpoint(path, verify=True) as r:
         assert r.has_external_data == (mode == "params")
+        assert r.checksums is not None and r.checksums.usable  # the record survived the kill with its tensors
         for info in r.tensors():
-            r.torch(info)
+            r.torch(info)  # verified against its checksum as it is read
 
 
 # -- a save killed midway ---------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ pytest.importorskip("onnxruntime.training")
 
 from lightning_ort_ckpt.format import (Checkpoint, DataType, OptimizerGroup, load_checkpoint, open_checkpoint,
                                        save_checkpoint)
+from lightning_ort_ckpt.format.checksums import PROPERTY as CHECKSUMS
 from ort_reference import (Artifacts, assert_same_tensor, batch, file_bytes, make_artifacts, ort_api,
                            ort_parameters, ort_properties, raw_bytes)
 
@@ -111,7 +112,9 @@ def test_ort_loads_our_checkpoint(tmp_path, mode):
         assert data.shape == tuple(expected.shape), name
         assert data.dtype == expected.numpy().dtype, name
         assert raw_bytes(data) == raw_bytes(expected), name
-    assert_exact_props(ort_properties(state), EXPECTED_PROPS)
+    props = ort_properties(state)
+    assert CHECKSUMS in props  # ORT keeps our checksum record as a property it does not use
+    assert_exact_props({k: v for k, v in props.items() if k != CHECKSUMS}, EXPECTED_PROPS)
 
 
 @pytest.mark.parametrize("mode", ["never", "params"])
@@ -119,12 +122,12 @@ def test_ort_loads_our_checkpoint(tmp_path, mode):
 def test_ort_resaves_our_file_to_identical_bytes(tmp_path, include_optimizer_state, mode):
     ck = loadable_checkpoint()
     ours = tmp_path / "ours.ckpt"
-    save_checkpoint(ck, ours, external_data=mode)
+    save_checkpoint(ck, ours, external_data=mode, checksums=include_optimizer_state)
     theirs = tmp_path / "theirs.ckpt"
     ort_save(ort_load(ours), theirs, include_optimizer_state)
     if not include_optimizer_state:  # ORT drops the groups (but keeps an empty optimizer_groups vector, as we do)
         ck.optimizer_groups = {}
-        save_checkpoint(ck, ours, external_data=mode)
+        save_checkpoint(ck, ours, external_data=mode, checksums=False)
     assert file_bytes(theirs) == file_bytes(ours)
     assert os.path.exists(f"{theirs}.data") == (mode == "params")
     if mode == "params":
@@ -184,7 +187,7 @@ def test_we_resave_ort_written_file_identically(ort_trained, tmp_path, name):
     theirs = ort_trained["dir"] / f"{name}.ckpt"
     ck = load_checkpoint(theirs)
     ours = tmp_path / "ours.ckpt"
-    save_checkpoint(ck, ours)
+    save_checkpoint(ck, ours, checksums=False)  # no record: exactly ORT's bytes
     assert file_bytes(ours) == file_bytes(theirs)
     # the parameters are ORT's values, bit for bit
     for pname, (data, requires_grad) in ort_trained["params"].items():
@@ -219,7 +222,7 @@ def test_we_resave_ort_zero_float_property_identically(art, tmp_path):
     ort_save(state, tmp_path / "theirs.ckpt", include_optimizer_state=False)
     ck = load_checkpoint(tmp_path / "theirs.ckpt")
     assert type(ck.properties["zero_f"]) is float
-    save_checkpoint(ck, tmp_path / "ours.ckpt")
+    save_checkpoint(ck, tmp_path / "ours.ckpt", checksums=False)
     assert file_bytes(tmp_path / "ours.ckpt") == file_bytes(tmp_path / "theirs.ckpt")
 
 
@@ -227,7 +230,7 @@ def test_external_data_written_by_ort(art, tmp_path):
     """ORT writes external data for a state loaded from an external-data file; we re-save both files identically."""
     ck = load_checkpoint(art.checkpoint)
     ours = tmp_path / "ours.ckpt"
-    save_checkpoint(ck, ours, external_data="params")
+    save_checkpoint(ck, ours, external_data="params", checksums=False)
     state = ort_load(ours)
     module = api.Module(art.training_model, state, art.eval_model)
     opt = api.Optimizer(art.optimizer_model, module)
@@ -251,7 +254,7 @@ def test_external_data_written_by_ort(art, tmp_path):
         if include:
             assert loaded.optimizer_groups["group0"].step == 1
         mine = tmp_path / f"mine_{include}.ckpt"
-        save_checkpoint(loaded, mine, external_data="params")
+        save_checkpoint(loaded, mine, external_data="params", checksums=False)
         assert file_bytes(mine) == file_bytes(theirs)
         assert file_bytes(f"{mine}.data") == file_bytes(f"{theirs}.data")
         for name, (data, _) in ort_parameters(state).items():
@@ -321,9 +324,18 @@ def test_ort_trains_from_our_checkpoint(art, tmp_path):
             assert not torch.equal(got, states[n][m]), f"{n}/{m} was not updated"
             torch.testing.assert_close(got, torch_opt.state[p][key], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(back.trainable[n], p.detach(), rtol=0, atol=5e-4)
-    # and our writer reproduces ORT's file
+    # ORT kept our checksum record, which no longer matches the tensors it trained: recognized, not damage
+    with open_checkpoint(out) as reader:
+        assert reader.checksums is not None and reader.checksums.stale
+        assert "ONNX Runtime trained" in reader.checksum_status()
+    # and our writer reproduces ORT's file, but with a fresh checksum record instead of the stale one
+    save_checkpoint(back, tmp_path / "again.ckpt", checksums=False)
+    ort_save(ort_load(tmp_path / "again.ckpt"), tmp_path / "again_ort.ckpt", include_optimizer_state=True)
+    assert file_bytes(tmp_path / "again.ckpt") == file_bytes(tmp_path / "again_ort.ckpt")
     save_checkpoint(back, tmp_path / "again.ckpt")
-    assert file_bytes(tmp_path / "again.ckpt") == file_bytes(out)
+    with open_checkpoint(tmp_path / "again.ckpt") as reader:
+        assert reader.checksums.usable
+        reader.verify()
 
 
 # -- our reader on ORT's TensorProto-path files -------------------------------------------------------------------
@@ -347,7 +359,7 @@ def test_reader_on_generate_artifacts_checkpoint(art, tmp_path):
             t = ck.trainable.get(name, ck.frozen.get(name))
             assert raw_bytes(t) == raw_bytes(value), name
     # our re-save equals ORT's own CheckpointState re-save of the same file
-    save_checkpoint(ck, tmp_path / "ours.ckpt")
+    save_checkpoint(ck, tmp_path / "ours.ckpt", checksums=False)
     ort_save(ort_load(art.checkpoint), tmp_path / "theirs.ckpt", include_optimizer_state=True)
     assert file_bytes(tmp_path / "ours.ckpt") == file_bytes(tmp_path / "theirs.ckpt")
 
@@ -452,7 +464,7 @@ def test_reader_on_onnxblock_dtype_zoo(tmp_path):
                 if dt.ort_loadable and n != "f32"]
     onnxblock.save_checkpoint((trainable, loadable), str(tmp_path / "loadable.ckpt"))
     ort_save(ort_load(tmp_path / "loadable.ckpt"), tmp_path / "theirs.ckpt", include_optimizer_state=False)
-    save_checkpoint(load_checkpoint(tmp_path / "loadable.ckpt"), tmp_path / "ours.ckpt")
+    save_checkpoint(load_checkpoint(tmp_path / "loadable.ckpt"), tmp_path / "ours.ckpt", checksums=False)
     assert file_bytes(tmp_path / "ours.ckpt") == file_bytes(tmp_path / "theirs.ckpt")
 
 

@@ -18,7 +18,6 @@ import copy
 import json
 import math
 import os
-import pickle
 import struct
 from collections.abc import Iterable
 from typing import Any
@@ -630,9 +629,9 @@ def test_random_bytes_with_ort_identifier_raise_our_error(tmp_path: Any) -> None
 
 
 def test_non_ort_paths_get_lightnings_and_torchs_errors(tmp_path: Any) -> None:
-    """Anything without the ORT identifier goes to Lightning's TorchCheckpointIO, whose errors are Lightning's and
-    torch's own: FileNotFoundError for a missing path, IsADirectoryError for a directory, and torch.load's
-    UnpicklingError for other bytes."""
+    """Anything without the ORT identifier goes to Lightning's TorchCheckpointIO: FileNotFoundError for a missing
+    path, IsADirectoryError for a directory (the system's errors, naming the file), and for other bytes our
+    CorruptCheckpointError naming the file (torch.load's UnpicklingError does not)."""
     missing = tmp_path / "missing.ort"
     with pytest.raises(FileNotFoundError) as info:
         resume(tmp_path, missing)
@@ -646,8 +645,9 @@ def test_non_ort_paths_get_lightnings_and_torchs_errors(tmp_path: Any) -> None:
 
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(b"\x00\x01not a checkpoint of any kind" * 10)
-    with pytest.raises(pickle.UnpicklingError):  # torch.load's own error, which does not name the file
+    with pytest.raises(CorruptCheckpointError, match="neither an ORT checkpoint nor a torch checkpoint") as info3:
         resume(tmp_path, garbage)
+    assert_names_file(info3.value, garbage)
 
 
 def _tensor_ref(name: str) -> dict[str, Any]:

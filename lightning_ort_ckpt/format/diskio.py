@@ -5,7 +5,8 @@ already holds (and drop it from the cache) and read the rest with direct I/O int
 the same reason: on the VMs this project runs on, fresh memory (new page-cache pages, a new buffer) costs more than
 the disk, because the guest hands freed memory back to its host and every 4 KiB page touched again is a fault to
 the host. Everything here is an optimization with a plain fallback: where a call is missing or refused (not Linux, a
-file system without direct I/O), the result is the same bytes by ordinary reads and writes.
+file system without direct I/O), or the portable path is forced (``platform.portable_io``), the result is the same
+bytes by ordinary reads and writes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
+from .layout import MAX_FLATBUFFER_SIZE
+from .platform import portable_io
 
 BEHIND_BYTES = 8 << 20  # write-behind step: see WriteBehind
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4  # sync_file_range(2) flags
@@ -49,6 +52,8 @@ class WriteBehind:
         import stat
 
         global _libc_sync_file_range
+        if portable_io():
+            return None
         if _libc_sync_file_range is None:
             try:
                 import ctypes
@@ -57,7 +62,7 @@ class WriteBehind:
                 fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
                 fn.restype = ctypes.c_int
                 _libc_sync_file_range = fn
-            except (OSError, AttributeError):  # not Linux: plain writes
+            except (OSError, AttributeError, TypeError):  # not Linux (Windows: CDLL(None) is a TypeError)
                 _libc_sync_file_range = False
         if not _libc_sync_file_range or not hasattr(os, "posix_fadvise"):
             return None
@@ -98,6 +103,58 @@ class WriteBehind:
         raise OSError(err, os.strerror(err))
 
 
+def open_regular(path: str, what: str = "checkpoint", owner: str | None = None) -> int:
+    """A read-only file descriptor for ``path``, which must be a regular file: a FIFO must not block the open (nor
+    a later read), a directory or device is not a checkpoint. ``what`` and ``owner`` word the error (the file of a
+    ``.data`` companion is its checkpoint).
+
+    Where ``O_NONBLOCK`` exists (not Windows) and the portable path is not forced, the open itself cannot block;
+    elsewhere the path is checked with ``stat`` before it is opened and with ``fstat`` after.
+    """
+    where = path if owner is None else owner
+    label = "checkpoint" if owner is None else f"{what} file {path}"
+    nonblock = getattr(os, "O_NONBLOCK", 0) if not portable_io() else 0
+    try:
+        if not nonblock:
+            check_regular(os.stat(path).st_mode, label, where)
+        fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_BINARY", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        raise CorruptCheckpointError("no such checkpoint file" if owner is None else f"its {label} is missing",
+                                     where) from None
+    except OSError as e:  # permission denied, a symlink loop, ...
+        raise CheckpointError(f"cannot open the {label}: {e.strerror or e}", where) from None
+    try:
+        check_regular(os.fstat(fd).st_mode, label, where)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def data_extent(fd: int, size: int) -> int:
+    """How much of a checkpoint file of ``size`` bytes a whole-file read takes: no more than a FlatBuffer can be
+    (2 GiB), and, where the system reports holes (``SEEK_HOLE``), nothing from the first hole on: a valid file
+    followed by a huge sparse tail costs no more memory than the file alone. Checkpoints have no holes."""
+    extent = min(size, MAX_FLATBUFFER_SIZE)
+    if hasattr(os, "SEEK_HOLE") and not portable_io():
+        try:
+            extent = min(extent, os.lseek(fd, 0, os.SEEK_HOLE))
+        except OSError:  # the file system does not say
+            pass
+    return extent
+
+
+def check_regular(mode: int, label: str, where: str) -> None:
+    """Raise our error unless ``mode`` (of ``os.stat``) is a regular file's: a directory, FIFO or device is not a
+    checkpoint (``label`` names the file in the message, ``where`` is the checkpoint it belongs to)."""
+    import stat
+
+    if stat.S_ISDIR(mode):
+        raise CorruptCheckpointError(f"{label} is a directory, not a file", where)
+    if not stat.S_ISREG(mode):
+        raise CorruptCheckpointError(f"{label} is not a regular file (a FIFO, socket or device)", where)
+
+
 _HUGE_PAGE = 2 << 20
 _DIRECT_ALIGN = 4096  # offset, length and memory alignment of direct reads: every disk's logical block divides it
 _DIRECT_MIN = 8 << 20  # smaller files are read plainly: direct I/O would save little
@@ -111,7 +168,7 @@ def fresh_memory(size: int) -> np.ndarray:
     faults than 4 KiB pages. Where the advice is unknown (not Linux) or refused, it is ordinary memory. The mapping
     is unmapped when the last array or tensor viewing it goes away.
     """
-    if size < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if size < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or portable_io():
         return np.empty(size, dtype=np.uint8)
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -137,8 +194,10 @@ def read_whole(fd: int, size: int, path: str) -> np.ndarray:
     """
     out = fresh_memory(_whole_blocks(size))  # direct reads fill whole blocks
     view = memoryview(out)
-    direct = size >= _DIRECT_MIN and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
-    if not direct and hasattr(os, "posix_fadvise"):
+    portable = portable_io()
+    direct = (size >= _DIRECT_MIN and not portable and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
+              and hasattr(os, "preadv"))
+    if not direct and not portable and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     pos = 0
     while pos < size:
@@ -153,11 +212,22 @@ def read_whole(fd: int, size: int, path: str) -> np.ndarray:
                     raise
                 direct = False  # plain reads from here on
         while pos < end and not direct:
-            n = os.preadv(fd, [view[pos:end]], pos)
+            n = _pread_into(fd, view[pos:end], pos, portable)
             if n == 0:
                 raise _shrank(pos, path)
             pos += n
     return out[:size]
+
+
+def _pread_into(fd: int, buf: memoryview, pos: int, portable: bool) -> int:
+    """Read into ``buf`` from offset ``pos``: ``preadv`` where there is one, else seek and read (Windows)."""
+    if hasattr(os, "preadv") and not portable:
+        return os.preadv(fd, [buf], pos)
+    import io
+
+    with io.FileIO(fd, "rb", closefd=False) as f:
+        f.seek(pos)
+        return f.readinto(buf) or 0
 
 
 def _read_cached(fd: int, view: memoryview, pos: int, end: int, path: str) -> int:

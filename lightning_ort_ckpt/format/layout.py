@@ -82,6 +82,16 @@ class LayoutBuilder:
         self._push(data)
         return self._end_vector(len(data))
 
+    def string_blob(self, blob: Blob) -> int:
+        """A string of ``blob.nbytes`` ASCII bytes whose contents the writer supplies later."""
+        self._prealign(blob.nbytes + 1, 4)
+        self._fill(1)
+        if blob.nbytes:
+            self._flush()
+            self._done.append(blob)
+            self._grow(blob.nbytes)
+        return self._end_vector(blob.nbytes)
+
     def scalar_vector(self, data: bytes, count: int, alignment: int) -> int:
         """A vector of little-endian scalars already packed in ``data``."""
         self._prealign(len(data), 4)

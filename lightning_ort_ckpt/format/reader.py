@@ -5,7 +5,8 @@ identifier, the version, that every offset and length is inside the file, that d
 ``numel x itemsize`` equals the stored length (Python integers: no overflow), and that an external ``.data`` file is
 present and long enough. Any fault raises :class:`CorruptCheckpointError` naming the file and the fault; nothing is
 allocated from a size the file claims before that size is checked against the file. Tensor bytes are touched only
-when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads.
+when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads. Files written by this library record
+a checksum of every tensor (``checksums``): a full load verifies them all, the lazy reader on request.
 
 torch is imported only when tensors are requested; metadata and numpy access work without it.
 """
@@ -17,16 +18,18 @@ import mmap
 import os
 import stat
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from . import atomic
+from . import atomic, checksums
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
-from .diskio import read_whole
+from .diskio import check_regular, data_extent, open_regular, read_whole
 from .dtypes import DataType
+from .layout import MAX_FLATBUFFER_SIZE
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -66,11 +69,15 @@ class GroupInfo:
 class CheckpointReader:
     """An open ODTC checkpoint. Use as a context manager; tensors it returned stay valid after :meth:`close`."""
 
-    def __init__(self, path: str | os.PathLike[str], *, in_memory: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, in_memory: bool = False, verify: bool = False) -> None:
         """``in_memory=True`` reads the whole file (and its ``.data``) into memory at once instead of mapping it:
-        the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``)."""
+        the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``). A FlatBuffer
+        ends before 2 GiB and before the file's first hole (``diskio.data_extent``): a tail beyond is never read.
+        ``verify=True`` checks each tensor against its recorded checksum when it is read (:meth:`verify_tensor`)."""
         self.path = os.fspath(path)
         self._in_memory = in_memory
+        self._verify = verify
+        self._verified: set[int] = set()
         self._data_mm: Any = None
         self._data: Any = None  # the .data file opened with the checkpoint, as one consistent pair
         try:
@@ -78,19 +85,16 @@ class CheckpointReader:
             self._data = None if data_fd is None else os.fdopen(data_fd, "rb", buffering=0)
         except (FileNotFoundError, NotADirectoryError):
             raise CorruptCheckpointError("no such checkpoint file", self.path) from None
-        except OSError as e:
+        except OSError as e:  # permission denied, a symlink loop, ...
             raise CheckpointError(f"cannot open the checkpoint: {e.strerror or e}", self.path) from None
         try:
             st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise CorruptCheckpointError("is a directory, not a checkpoint file", self.path)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError("is not a regular file (a FIFO, socket or device), not a checkpoint",
-                                             self.path)
+            check_regular(st.st_mode, "checkpoint", self.path)
             if st.st_size < 8:
-                raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {st.st_size} bytes", self.path)
-            self._mm = (read_whole(fd, st.st_size, self.path) if in_memory
-                        else mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+                raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {st.st_size} bytes",
+                                             self.path)
+            self._mm: Any = (read_whole(fd, data_extent(fd, st.st_size), self.path) if in_memory
+                             else _map(fd, min(st.st_size, MAX_FLATBUFFER_SIZE), self.path))
             self._parse()
         except BaseException:
             self.close()
@@ -99,6 +103,7 @@ class CheckpointReader:
             os.close(fd)
         if not self.has_external_data and self._data is not None:
             self._data.close()
+            self._data = None
 
     # -- public -------------------------------------------------------------------------------------------------
     version: int
@@ -121,6 +126,63 @@ class CheckpointReader:
                 out.extend(momentums.values())
         return out
 
+    checksums: checksums.Recorded | None
+    """The tensor checksums the file records (None for a file ORT wrote: it records none)."""
+
+    def checksum_status(self) -> str:
+        """In words: whether this file's tensors can be verified, and if not, why."""
+        r = self.checksums
+        if r is None:
+            return "no checksums (not written by lightning-ort-ckpt, e.g. by ONNX Runtime)"
+        if r.algorithm != checksums.ALGORITHM:
+            return f"checksums of an unknown algorithm {r.algorithm!r}: not checked"
+        if r.stale is not None:
+            return f"checksums not checked: {r.stale}"
+        return f"{r.algorithm} checksums of {len(r.digests)} tensors"
+
+    def verify_tensor(self, info: TensorInfo) -> None:
+        """Raise :class:`CorruptCheckpointError` naming the tensor when its bytes do not match the checksum recorded
+        at save time. Reads the tensor's bytes; a no-op for a file without (usable) checksums."""
+        if self.checksums is None or not self.checksums.usable or id(info) in self._verified:
+            return
+        if info.storage in ("inline", "external"):
+            h = checksums.hasher(int(info.dtype), info.shape)
+            h.update(self._bytes_of(info))
+            self._compare(info, h.intdigest())
+        self._verified.add(id(info))
+
+    def verify(self) -> None:
+        """Check every tensor against its recorded checksum (see :meth:`verify_tensor`). Large checkpoints are
+        hashed on two threads (the hash releases the GIL), each taking every other tensor."""
+        infos = self.tensors()
+        if self.checksums is None or not self.checksums.usable:
+            return
+        if sum(i.nbytes for i in infos) < _PARALLEL_VERIFY_BYTES:
+            for info in infos:
+                self.verify_tensor(info)
+            return
+        errors: list[BaseException | None] = [None, None]
+
+        def run(part: int) -> None:
+            try:
+                for info in infos[part::2]:
+                    self.verify_tensor(info)
+            except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
+                errors[part] = e
+
+        helper = threading.Thread(target=run, args=(1,), name="ort-ckpt-verify", daemon=True)
+        try:
+            helper.start()
+        except RuntimeError:  # interpreter shutting down: one thread does it all
+            helper = None
+            run(1)
+        run(0)
+        if helper is not None:
+            helper.join()
+        for error in errors:
+            if error is not None:
+                raise error
+
     def get_tensor(self, name: str) -> Any:
         """A parameter or buffer as a torch tensor, zero-copy from the file where alignment allows."""
         info = self.trainable.get(name) or self.frozen.get(name)
@@ -133,6 +195,8 @@ class CheckpointReader:
         import torch
 
         dtype = self._checked_dtype(info).to_torch()
+        if self._verify:
+            self.verify_tensor(info)
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=dtype)
         # Through numpy: the array holds a buffer export on the mapping, and the tensor holds the array, so the
@@ -147,20 +211,25 @@ class CheckpointReader:
         if info.storage == "strings":
             return np.array(self._strings(info), dtype=object).reshape(info.shape)
         dtype = self._checked_dtype(info).to_numpy()
+        if self._verify:
+            self.verify_tensor(info)
         if info.nbytes == 0:
             return np.empty(info.shape, dtype=dtype)
         array = np.frombuffer(self._map_for(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return array.view(dtype).reshape(info.shape)
 
-    def load(self) -> Checkpoint:
+    def load(self, verify: bool = True) -> Checkpoint:
         """Everything, as a :class:`Checkpoint` of torch tensors in memory of their own (nothing left mapped).
 
         The file is read whole, in order (unless the reader already holds it: ``in_memory``), and
         the tensors are views into that memory; int64/double tensors that ORT left only 4-aligned are copied.
+        With ``verify`` every tensor is checked against its recorded checksum first.
         """
         if not self._in_memory:
             with CheckpointReader(self.path, in_memory=True) as whole:
-                return whole.load()
+                return whole.load(verify)
+        if verify:
+            self.verify()
         fresh = {id(i): self.numpy(i) if i.storage == "strings" else self._empty(i) if i.storage == "none"
                  else self.torch(i) for i in self.tensors()}
         return Checkpoint(
@@ -225,6 +294,7 @@ class CheckpointReader:
                     seen.add(info.name)
                     target[info.name] = info
         self.optimizer_groups = {}
+        self._groups_field = p.offset(root, CheckpointSlot.OPTIMIZER_GROUPS) is not None
         for i, pos in enumerate(p.table_vector(root, CheckpointSlot.OPTIMIZER_GROUPS, "optimizer_groups")):
             group = self._group(p, pos, f"optimizer group #{i}")
             if group.name in self.optimizer_groups:
@@ -232,6 +302,7 @@ class CheckpointReader:
             self.optimizer_groups[group.name] = group
         self.properties = self._properties(p, p.offset(root, CheckpointSlot.PROPERTY_BAG))
         self._check_external_data()
+        self._read_checksums()
 
     def _tensor(self, p: _Parser, pos: int, kind: Kind, where: str) -> TensorInfo:
         t = p.table(pos, where)
@@ -335,6 +406,8 @@ class CheckpointReader:
             st = os.fstat(self._data.fileno()) if self._data is not None else os.stat(self.data_path)
         except FileNotFoundError:
             raise self._fail(f"its external data file {self.data_path} is missing") from None
+        except OSError as e:  # a symlink loop, a path through a file
+            raise self._fail(f"its external data file {self.data_path} cannot be opened ({e.strerror or e})") from None
         if not stat.S_ISREG(st.st_mode):
             raise self._fail(f"its external data file {self.data_path} is not a regular file")
         size = st.st_size
@@ -342,6 +415,47 @@ class CheckpointReader:
             if info.offset + info.nbytes > size:
                 raise self._fail(f"{info.kind} tensor {info.name!r} needs bytes {info.offset:,}..."
                                  f"{info.offset + info.nbytes:,} of {self.data_path}, which has only {size:,}")
+
+    def _read_checksums(self) -> None:
+        text = self.properties.pop(checksums.PROPERTY, None)  # ours, not the user's: never handed back as one
+        self._keys: dict[int, str] = {id(i): checksums.param_key(n)
+                                      for n, i in (*self.trainable.items(), *self.frozen.items())}
+        for g in self.optimizer_groups.values():
+            for param, momentums in g.states.items():
+                self._keys.update((id(i), checksums.state_key(g.name, param, m)) for m, i in momentums.items())
+        self.checksums = None
+        if text is None:
+            return
+        try:
+            if not self._groups_field:  # ORT's saves and ours always write it, if empty
+                raise ValueError("the file lacks the optimizer_groups field that was there when it was saved")
+            self.checksums = checksums.parse(text, {g.name: g.step for g in self.optimizer_groups.values()})
+        except (ValueError, RecursionError) as e:
+            raise self._fail(f"its tensor checksums (property {checksums.PROPERTY!r}) are damaged: {e}") from None
+        if not self.checksums.usable:
+            return
+        present = set()
+        for info in self.tensors():
+            key = self._keys[id(info)]
+            present.add(key)
+            if info.storage in ("inline", "external") and key not in self.checksums.digests:
+                raise self._fail(f"{info.kind} tensor {info.name!r} has no recorded checksum although the file "
+                                 "records them: its name or the checksum record is damaged")
+        missing = sorted(self.checksums.digests.keys() - present)
+        if missing:
+            raise self._fail(f"{missing[0].split(':', 1)[1]!r} was saved but is not in the file ({len(missing)} "
+                             "tensor(s) missing): its structure or the checksum record is damaged")
+
+    def _compare(self, info: TensorInfo, found: int) -> None:
+        if found != self.checksums.digests[self._keys[id(info)]]:  # type: ignore[union-attr]
+            where = f" (in {self.data_path})" if info.storage == "external" else ""
+            what = {"momentum": "optimizer state", "trainable": "parameter", "frozen": "parameter or buffer"}
+            name = self._keys[id(info)].split(":", 1)[1]
+            raise self._fail(f"{what[info.kind]} {name!r}{where} is damaged: its bytes (or type or shape) do not "
+                             "match the checksum recorded when it was saved")
+
+    def _bytes_of(self, info: TensorInfo) -> memoryview:
+        return memoryview(self._map_for(info))[info.offset:info.offset + info.nbytes]
 
     # -- data access --------------------------------------------------------------------------------------------
     def _checked_dtype(self, info: TensorInfo) -> DataType:
@@ -356,12 +470,14 @@ class CheckpointReader:
         if info.storage == "inline":
             return self._mm
         if self._data_mm is None:
-            with self._data if self._data is not None else open(self.data_path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                self._data_mm = (read_whole(f.fileno(), size, self.data_path) if self._in_memory
-                                 else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-            if len(self._data_mm) < max(i.offset + i.nbytes for i in self._external):
-                raise self._fail(f"its external data file {self.data_path} shrank while it was open")
+            needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
+            with self._data if self._data is not None else os.fdopen(
+                    open_regular(self.data_path, "external data", self.path), "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size < needed:
+                    raise self._fail(f"its external data file {self.data_path} shrank while it was open")
+                self._data_mm = (read_whole(f.fileno(), needed, self.data_path) if self._in_memory
+                                 else _map(f.fileno(), needed, self.path))
+            self._data = None
         return self._data_mm
 
     def _strings(self, info: TensorInfo) -> list[str]:
@@ -369,19 +485,31 @@ class CheckpointReader:
         return [p.string(off, f"{info.name} string") for off in info.string_offsets]
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
-    """Open ``path`` for lazy access; see :class:`CheckpointReader`."""
-    return CheckpointReader(path)
+def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> CheckpointReader:
+    """Open ``path`` for lazy access; see :class:`CheckpointReader` (``verify=True``: each tensor is checked against
+    its checksum when it is read)."""
+    return CheckpointReader(path, verify=verify)
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint:
     """Read the whole checkpoint at ``path`` into torch tensors in memory of their own (views into the file's bytes,
     read in order: a tensor kept alive keeps that memory alive). Large files leave the page cache as they are
-    copied, and their uncached part is read straight from the disk (see ``diskio.read_whole``)."""
+    copied, and their uncached part is read straight from the disk (see ``diskio.read_whole``). With ``verify``
+    (the default) every tensor must match the checksum recorded when it was saved, or
+    :class:`CorruptCheckpointError` names it; files without checksums (written by ORT) load as they are."""
     with CheckpointReader(path, in_memory=True) as reader:
-        return reader.load()
+        return reader.load(verify)
 
 
+def _map(fd: int, length: int, path: str) -> mmap.mmap:
+    """The first ``length`` bytes of ``fd``, mapped copy-on-write (never more: a file may have a huge tail)."""
+    try:
+        return mmap.mmap(fd, length, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise CheckpointError(f"cannot map the file into memory: {e.strerror or e}", path) from None
+
+
+_PARALLEL_VERIFY_BYTES = 256 << 20  # below this, one thread verifies: starting another costs more than it saves
 _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
 

@@ -3,8 +3,9 @@
 Saving has two steps, as in ``torch.distributed.checkpoint``: *planning* lays out every byte of the file with
 :class:`LayoutBuilder` (names, dims and offsets only), then *streaming* copies tensor bytes from each tensor's own
 memory to the file (with write-behind: see ``diskio``). Peak extra memory is, for a tensor that is not contiguous
-or not on the CPU, one bounded chunk of it; the file is never assembled in memory. The commit is atomic (see
-``atomic``).
+or not on the CPU, one bounded chunk of it; the file is never assembled in memory. Each tensor's checksum is
+computed as it streams (see ``checksums``) and written into the planned record before the commit, which is atomic
+(see ``atomic``).
 
 Build order follows ORT's ``FromCheckpointState``: parameters sorted by name (trainable, then frozen), optimizer
 groups, parameters and momentums sorted, properties sorted across the bag, then the root table.
@@ -15,7 +16,9 @@ from __future__ import annotations
 import errno
 import math
 import os
+import queue
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
@@ -24,10 +27,12 @@ import numpy as np
 
 from ..errors import CheckpointSaveError
 from . import atomic
+from . import checksums as _checksums
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue, Tensor
 from .diskio import BEHIND_BYTES, WriteBehind
 from .dtypes import DataType, from_numpy, from_torch
 from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
+from .platform import portable_io
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -41,23 +46,30 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
-                    external_data: ExternalData = "auto") -> None:
+                    external_data: ExternalData = "auto", checksums: bool = True) -> None:
     """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data).
 
     ``external_data``: ``"auto"`` keeps everything in one file unless it would pass the FlatBuffers 2 GiB limit, then
     moves parameters (and, if still needed, optimizer momentums) to ``<path>.data``; ``"never"`` refuses instead;
     ``"params"`` always moves parameters out, as ORT does for a state it loaded with external data; ``"all"`` moves
     momentums out too, which ORT itself never does.
+
+    ``checksums`` (the default) records a checksum of every tensor's bytes, computed as they are written, in the
+    string property ``lightning_ort_ckpt.checksums`` (see ``checksums``); loads verify them. ``False`` writes exactly
+    what ORT would write for the same state.
     """
     path = os.fspath(path)
     tensors = _Tensors(path)
-    plan = _plan_for_mode(checkpoint, tensors, external_data, path)
+    plan = _plan_for_mode(checkpoint, tensors, external_data, path, checksums)
     try:
         with atomic.atomic_save(path, with_data=plan.data_size is not None,
                                 required_bytes=plan.size + (plan.data_size or 0)) as files:
-            written = _stream(files.main, plan.pieces, tensors)
-            if files.data is not None:
-                _stream_external(files.data, plan.external, tensors)
+            with _Hashing(tensors, plan.checksums is not None) as hashing:
+                written = _stream(files.main, plan.pieces, tensors, hashing)
+                if files.data is not None:
+                    _stream_external(files.data, plan.external, tensors, hashing)
+            if plan.checksums is not None:
+                _write_at(files.main, hashing.record_offset, plan.checksums.fill(hashing.digests()))
     except CheckpointSaveError:
         raise
     except OSError as e:
@@ -78,6 +90,7 @@ class _Entry:
     nbytes: int
     source: Any
     strings: list[str] | None = None
+    checksum_key: str | None = None
 
 
 class _Tensors:
@@ -87,13 +100,15 @@ class _Tensors:
         self.path = path
         self.entries: list[_Entry] = []
 
-    def add(self, name: str, tensor: Tensor, what: str) -> int:
+    def add(self, name: str, tensor: Tensor, what: str, checksum_key: str) -> int:
         if not isinstance(name, str) or not name:
             raise CheckpointSaveError(f"every {what} needs a non-empty string name, got {name!r}", self.path)
         try:
             entry = _describe(name, tensor)
         except (TypeError, ValueError) as e:
             raise CheckpointSaveError(f"{what} {name!r}: {e}", self.path) from None
+        if entry.strings is None:
+            entry.checksum_key = checksum_key
         self.entries.append(entry)
         return len(self.entries) - 1
 
@@ -169,9 +184,10 @@ class _Plan:
     size: int
     external: list[tuple[int, int]]  # (padding before the blob, blob key), in .data file order
     data_size: int | None
+    checksums: _checksums.Template | None
 
 
-def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: str) -> _Plan:
+def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: str, checksums: bool = True) -> _Plan:
     choices = {"never": [(False, False)], "params": [(True, False)], "all": [(True, True)],
                "auto": [(False, False), (True, False), (True, True)]}
     if mode not in choices:
@@ -179,7 +195,7 @@ def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: 
     for params_out, momentums_out in choices[mode]:
         tensors.entries.clear()
         try:
-            return _Planner(tensors, params_out, momentums_out).plan(ck)
+            return _Planner(tensors, params_out, momentums_out, checksums).plan(ck)
         except LayoutTooLarge:  # planning stops as soon as the buffer passes the limit: try the next layout
             continue
     hint = "" if mode == "auto" else '; use external_data="auto"'
@@ -188,8 +204,10 @@ def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: 
 
 
 class _Planner:
-    def __init__(self, tensors: _Tensors, params_out: bool, momentums_out: bool) -> None:
+    def __init__(self, tensors: _Tensors, params_out: bool, momentums_out: bool, checksums: bool) -> None:
         self.b = LayoutBuilder()
+        self.checksums = checksums
+        self.template: _checksums.Template | None = None
         self.tensors = tensors
         self.params_out = params_out
         self.momentums_out = momentums_out
@@ -207,7 +225,13 @@ class _Planner:
         self.momentums_out &= has_params  # the external-data flag lives in the module state
         module_state = self._module_state(ck) if has_params else None
         groups = [self._group(name, ck.optimizer_groups[name]) for name in _sorted(ck.optimizer_groups)]
-        bag = self._property_bag(ck.properties) if ck.properties else None
+        properties: dict[str, PropertyValue | _checksums.Template] = {
+            k: v for k, v in ck.properties.items() if k != _checksums.PROPERTY}  # a record read from a file is stale
+        if self.checksums and not ck.nominal:
+            keyed = [e.checksum_key for e in self.tensors.entries if e.checksum_key is not None]
+            self.template = _checksums.Template(keyed, {g: ck.optimizer_groups[g].step for g in ck.optimizer_groups})
+            properties[_checksums.PROPERTY] = self.template
+        bag = self._property_bag(properties) if properties else None
         groups_vec = b.offset_vector(groups)
         b.start_table()
         b.add_scalar(CheckpointSlot.VERSION, "i", VERSION, 0)
@@ -216,11 +240,12 @@ class _Planner:
         b.add_offset(CheckpointSlot.PROPERTY_BAG, bag)
         pieces = b.finish(b.end_table(), FILE_IDENTIFIER)
         data_size = self.data_pos if self.params_out or self.momentums_out else None
-        return _Plan(pieces, b.size, self.external, data_size)
+        return _Plan(pieces, b.size, self.external, data_size, self.template)
 
-    def _tensor(self, name: str, tensor: Tensor, what: str, external: bool, nominal: bool = False) -> int:
+    def _tensor(self, name: str, tensor: Tensor, what: str, external: bool, checksum_key: str,
+                nominal: bool = False) -> int:
         b = self.b
-        key = self.tensors.add(name, tensor, what)
+        key = self.tensors.add(name, tensor, what, checksum_key)
         e = self.tensors.entries[key]
         name_off = b.string(name)
         dims = () if nominal else e.dims
@@ -247,10 +272,10 @@ class _Planner:
 
     def _module_state(self, ck: Checkpoint) -> int:
         b = self.b
-        trainable = [self._tensor(n, ck.trainable[n], "trainable parameter", self.params_out, ck.nominal)
-                     for n in _sorted(ck.trainable)]
-        frozen = [self._tensor(n, ck.frozen[n], "frozen parameter", self.params_out, ck.nominal)
-                  for n in _sorted(ck.frozen)]
+        trainable = [self._tensor(n, ck.trainable[n], "trainable parameter", self.params_out,
+                                  _checksums.param_key(n), ck.nominal) for n in _sorted(ck.trainable)]
+        frozen = [self._tensor(n, ck.frozen[n], "frozen parameter", self.params_out, _checksums.param_key(n),
+                               ck.nominal) for n in _sorted(ck.frozen)]
         trainable_vec, frozen_vec = b.offset_vector(trainable), b.offset_vector(frozen)
         b.start_table()
         b.add_offset(ModuleStateSlot.REQUIRES_GRAD_PARAMS, trainable_vec)
@@ -264,8 +289,8 @@ class _Planner:
         states = []
         for param in _sorted(group.states):
             momentums = group.states[param]
-            tables = [self._tensor(m, momentums[m], f"optimizer state {group_name}/{param}", self.momentums_out)
-                      for m in _sorted(momentums)]
+            tables = [self._tensor(m, momentums[m], f"optimizer state {group_name}/{param}", self.momentums_out,
+                                   _checksums.state_key(group_name, param, m)) for m in _sorted(momentums)]
             name_off = b.string(self._name(param, "parameter"))
             vec = b.offset_vector(tables)
             b.start_table()
@@ -282,13 +307,17 @@ class _Planner:
         b.add_offset(OptimizerGroupSlot.OPTIMIZER_STATES, vec)
         return b.end_table()
 
-    def _property_bag(self, properties: dict[str, PropertyValue]) -> int:
+    def _property_bag(self, properties: dict[str, PropertyValue | _checksums.Template]) -> int:
         b = self.b
         by_type: dict[type, list[int]] = {int: [], float: [], str: []}
         for name in _sorted(properties):
             value = properties[name]
             name_off = b.string(self._name(name, "property"))
-            value_off = b.string(value) if isinstance(value, str) else None
+            if isinstance(value, _checksums.Template):  # filled in once every tensor is written
+                value_off = b.string_blob(Blob(_RECORD, len(value.text)))
+                value = value.text
+            else:
+                value_off = b.string(value) if isinstance(value, str) else None
             b.start_table()
             b.add_offset(PropertySlot.NAME, name_off)
             if isinstance(value, (bool, int, np.integer)):
@@ -333,22 +362,110 @@ def _sorted(names: Any) -> list[str]:
 
 
 # -- streaming --------------------------------------------------------------------------------------------------
-def _stream(out: BinaryIO, pieces: list[Piece], tensors: _Tensors) -> int:
-    writer = _Writer(out)
+_RECORD = -1  # the blob key of the checksum record: written as a placeholder, filled in after the tensors
+
+
+def _stream(out: BinaryIO, pieces: list[Piece], tensors: _Tensors, hashing: _Hashing) -> int:
+    writer = _Writer(out, hashing)
     for piece in pieces:
-        if isinstance(piece, Blob):
+        if isinstance(piece, Blob) and piece.key == _RECORD:
+            hashing.record_offset = writer.total + writer.pending_bytes
+            writer.small(bytes(piece.nbytes))
+        elif isinstance(piece, Blob):
             writer.blob(tensors, piece.key)
         else:
             writer.small(piece)
     return writer.close()
 
 
-def _stream_external(out: BinaryIO, external: list[tuple[int, int]], tensors: _Tensors) -> int:
-    writer = _Writer(out)
+def _stream_external(out: BinaryIO, external: list[tuple[int, int]], tensors: _Tensors, hashing: _Hashing) -> int:
+    writer = _Writer(out, hashing)
     for pad, key in external:
         writer.small(bytes(pad))
         writer.blob(tensors, key)
     return writer.close()
+
+
+def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
+    """Overwrite ``data`` at ``offset`` of the file being saved (before its fsync), leaving the position at the end."""
+    end = out.seek(0, os.SEEK_END)
+    out.seek(offset)
+    view = memoryview(data)
+    while view:
+        view = view[out.write(view):]
+    out.seek(end)
+
+
+class _Hashing:
+    """Checksums of the tensors as they stream. Large chunks are hashed on a helper thread while the main thread
+    writes them (the hash releases the GIL), so hashing hides under the writes; small ones are hashed in place. A
+    plain thread, not a ``concurrent.futures`` pool: saves queued by ``async_save`` may run during interpreter exit,
+    when pools refuse work (where even a thread cannot start, everything is hashed in place)."""
+
+    _THREAD_MIN = 1 << 20
+
+    def __init__(self, tensors: _Tensors, enabled: bool) -> None:
+        self.tensors = tensors
+        self.enabled = enabled
+        self.hashers: dict[str, Any] = {}
+        self.record_offset = -1
+        self._queue: queue.Queue[tuple[Any, memoryview] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._queued: set[int] = set()  # hashers with updates on the thread: all their later ones go there too
+
+    def __enter__(self) -> _Hashing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._queue.put(None)  # type: ignore[union-attr]
+            self._thread.join()
+
+    def start(self, key: int) -> Any:
+        entry = self.tensors.entries[key]
+        if not self.enabled or entry.checksum_key is None:
+            return None
+        h = self.hashers[entry.checksum_key] = _checksums.hasher(int(entry.dtype), tuple(entry.dims))
+        return h
+
+    def update(self, h: Any, data: memoryview) -> None:
+        if h is None:
+            return
+        if (data.nbytes < self._THREAD_MIN and id(h) not in self._queued) or not self._start_thread():
+            h.update(data)
+            return
+        self._queued.add(id(h))
+        self._queue.put((h, data))  # type: ignore[union-attr]  # one thread: a tensor's updates stay in order
+
+    def digests(self) -> dict[str, int]:
+        if self._queue is not None:
+            self._queue.join()
+        return {e.checksum_key: (self.hashers.get(e.checksum_key)  # a tensor without bytes streams no blob
+                                 or _checksums.hasher(int(e.dtype), tuple(e.dims))).intdigest()
+                for e in self.tensors.entries if e.checksum_key is not None}
+
+    def _start_thread(self) -> bool:
+        if self._thread is None and self._queue is None:
+            self._queue = queue.Queue()
+            thread = threading.Thread(target=self._run, name="ort-ckpt-hash", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # interpreter shutting down
+                return False
+            self._thread = thread
+        return self._thread is not None
+
+    def _run(self) -> None:
+        q = self._queue
+        assert q is not None
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                item[0].update(item[1])
+            finally:
+                q.task_done()
 
 
 class _Writer:
@@ -356,8 +473,9 @@ class _Writer:
     written together with one ``writev`` (copying them into a staging buffer cost a copy and, per flush, a fresh
     allocation whose first touch is slow on VMs); large tensor chunks are written directly; with write-behind."""
 
-    def __init__(self, out: BinaryIO) -> None:
+    def __init__(self, out: BinaryIO, hashing: _Hashing) -> None:
         self.out = out
+        self.hashing = hashing
         self.pending: list[memoryview] = []
         self.pending_bytes = 0
         self.total = 0
@@ -374,13 +492,15 @@ class _Writer:
 
     def blob(self, tensors: _Tensors, key: int) -> None:
         seen = 0
+        h = self.hashing.start(key)
         for chunk in tensors.chunks(key):
             seen += chunk.nbytes
             if chunk.nbytes < _STAGE_BYTES:
+                self.hashing.update(h, chunk)
                 self.small(chunk)
             else:
                 self._flush()
-                self._write(chunk)
+                self._write(chunk, h)
         entry = tensors.entries[key]
         if seen != entry.nbytes:
             raise CheckpointSaveError(f"tensor {entry.name!r} changed size while it was being saved "
@@ -392,9 +512,9 @@ class _Writer:
 
     def _flush(self) -> None:
         views, self.pending, self.pending_bytes = self.pending, [], 0
-        if not hasattr(os, "writev"):  # Windows
-            if views:
-                self._write(memoryview(b"".join(views)))
+        if not hasattr(os, "writev") or portable_io():  # Windows, or the portable path forced: plain writes
+            for view in views:
+                self._write(view)
             return
         fd, first = self.out.fileno(), 0
         while first < len(views):
@@ -408,11 +528,17 @@ class _Writer:
             if n:
                 views[first] = views[first][n:]
 
-    def _write(self, data: memoryview) -> None:
+    def _write(self, data: memoryview, h: Any = None) -> None:
         data = data.cast("B")
+        step = BEHIND_BYTES if self.behind is not None or h is not None else len(data)
+        hashed = 0
         while data:
-            n = self.out.write(data if self.behind is None else data[:BEHIND_BYTES])
+            if hashed < step:  # hash each step (on the helper thread) while it is written
+                self.hashing.update(h, data[hashed:step])
+                hashed = min(step, len(data))
+            n = self.out.write(data[:step])
             data = data[n:]
+            hashed -= n
             self._wrote(n)
 
     def _wrote(self, n: int) -> None:

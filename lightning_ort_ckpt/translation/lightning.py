@@ -31,6 +31,7 @@ import torch
 from ..errors import CheckpointWarning, CorruptCheckpointError
 from ..format import GROUP_ZERO, Checkpoint, OptimizerGroup
 from . import FORMAT, MANIFEST, optimizers, values
+from .counters import check_counters
 
 VERSION = 1
 EXTRA_PREFIX = "lightning:"
@@ -194,8 +195,8 @@ def from_ort(ck: Checkpoint, path: str) -> dict[str, Any]:
         if manifest["version"] > VERSION:
             raise CorruptCheckpointError(f"written by a newer lightning-ort-ckpt (manifest version "
                                          f"{manifest['version']}); upgrade to load it", path)
-        return _from_manifest(ck, manifest, path)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return check_counters(_from_manifest(ck, manifest, path), path)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, ArithmeticError) as e:  # RecursionError too
         if isinstance(e, CorruptCheckpointError):
             raise
         raise CorruptCheckpointError(f"its Lightning metadata ({MANIFEST}) is damaged: {e}", path) from None
