@@ -330,8 +330,15 @@ class _WriterLock:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.05)
                 continue
+            except OSError as e:  # a read-only or full file system
+                raise CheckpointSaveError(f"cannot create the writers' lock file ({e.strerror or e}); nothing was "
+                                          "changed", name) from None
             try:
                 os.write(fd, owner)
+            except OSError as e:
+                _discard(name)
+                raise CheckpointSaveError(f"cannot write the writers' lock file ({e.strerror or e}); nothing was "
+                                          "changed", name) from None
             finally:
                 os.close(fd)
             self._lock_file = name
