@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ort_ckpt.format import (Checkpoint, OptimizerGroup, diskio, load_checkpoint, open_checkpoint,
+from lightning_ort_ckpt.format import (Checkpoint, OptimizerGroup, atomic, diskio, load_checkpoint, open_checkpoint,
                                        save_checkpoint)
 from lightning_ort_ckpt.format.platform import PORTABLE_IO_ENV, portable_io
 from test_crash_safety import *  # noqa: F401,F403  (collected again here, on the portable path)
@@ -28,6 +28,9 @@ from test_checksums import test_every_tensor_is_recorded_and_verifies  # noqa: F
 def _portable(monkeypatch):
     monkeypatch.setenv(PORTABLE_IO_ENV, "1")
     assert portable_io()
+    # Without pid probing, the lock file of a writer the crash tests SIGKILL mid-commit is taken over only once it
+    # is LOCK_STALE_S old (2 minutes; test_concurrency tests that rule): here, after 2 s.
+    monkeypatch.setattr(atomic, "LOCK_STALE_S", 2.0)
 
 
 def _state() -> Checkpoint:
