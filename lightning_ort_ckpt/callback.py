@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import warnings
 import zipfile
 from datetime import timedelta
@@ -44,7 +45,8 @@ from typing import Any, Literal
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from .errors import CheckpointError, CheckpointWarning
-from .format import load_checkpoint, open_checkpoint
+from .format import load_checkpoint, open_checkpoint, storage
+from .format.storage import StorageOptions
 from .format.writer import ExternalData
 from .namespaces import loaded, namespace_of
 from .torch_files import load_torch_file
@@ -81,6 +83,7 @@ class OrtCheckpointMixin:
         ort_compatible: bool = False,
         export_best_to: str | os.PathLike[str] | None = None,
         export_tolerance: float = 1e-5,
+        storage_options: StorageOptions | None = None,
     ) -> None:
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and value < 0:
@@ -111,6 +114,7 @@ class OrtCheckpointMixin:
         self.ort_compatible = ort_compatible
         self.export_best_to = export_best_to
         self.export_tolerance = export_tolerance
+        self.storage_options = storage_options
         self.export_report: Any = None
         self.current_score_step: int | None = None
         self._saved: list[str] = []  # files saved for top-k or periodically, oldest first
@@ -139,21 +143,33 @@ class OrtCheckpointMixin:
             from .export import check_export_config
 
             check_export_config(pl_module, self.export_tolerance)
-        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        remote_link = self.save_last == "link" and storage.is_remote(self.dirpath)  # type: ignore[attr-defined]
+        if remote_link:  # ModelCheckpoint refuses links on a store; ours become copies (_link_checkpoint)
+            self.save_last = True
+        try:
+            super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        finally:
+            if remote_link:
+                self.save_last = "link"
         io = lightning_compat.raw_checkpoint_io(trainer.strategy)
         if isinstance(io, OrtCheckpointIOMixin):
             self._io = io
-            mine = (self.external_data, self.ort_compatible, self.async_save)
-            if mine != ("auto", False, False) and mine != (io.external_data, io.ort_compatible, io.async_save):
-                warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible and "
-                              "async_save apply, not those given to OrtCheckpoint", CheckpointWarning, stacklevel=2)
+            mine = (self.external_data, self.ort_compatible, self.async_save, self.storage_options)
+            if (mine != ("auto", False, False, None)
+                    and mine != (io.external_data, io.ort_compatible, io.async_save, io.storage_options)):
+                warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible, "
+                              "async_save and storage_options apply, not those given to OrtCheckpoint",
+                              CheckpointWarning, stacklevel=2)
         elif io is None or type(io) in {ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in loaded()}:
-            self._io = plugin_class_for(ns)(self.external_data, self.ort_compatible, self.async_save)
+            self._io = plugin_class_for(ns)(self.external_data, self.ort_compatible, self.async_save,
+                                            self.storage_options)
             trainer.strategy.checkpoint_io = self._io
         else:
             raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "
                              f"{type(io).__name__}; remove it or pass OrtCheckpointIO")
         self._io.bind(trainer.strategy)
+        if self._io.storage_options is not None and storage.is_remote(self.dirpath):  # type: ignore[attr-defined]
+            lightning_compat.set_checkpoint_filesystem(self, self.dirpath, self._io.storage_options)  # type: ignore
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = (checkpoint.get(RNG_KEY), checkpoint.get("epoch"))
@@ -335,7 +351,7 @@ class OrtCheckpointMixin:
         if self._link_target:  # never leave "last" dangling: its target goes only once the link has moved on
             keep.add(self._link_target)
         resumed = os.fspath(trainer.ckpt_path) if trainer.ckpt_path else None
-        if resumed and os.path.abspath(resumed) != self._found_last:  # a file the user chose: never deleted
+        if resumed and _absolute(resumed) != self._found_last:  # a file the user chose: never deleted
             keep.add(resumed)
         if self.keep_newest is not None:
             keep.update(self._saved[-self.keep_newest:])
@@ -353,8 +369,8 @@ class OrtCheckpointMixin:
         rotates as in the uninterrupted run; a file the user named (a path, or ``"best"``) stays."""
         if not self._confined(previous):
             return False
-        if os.path.abspath(previous) == self._found_last:
-            return os.path.abspath(previous) != os.path.abspath(current)
+        if _absolute(previous) == self._found_last:
+            return _absolute(previous) != _absolute(current)
         return bool(super()._should_remove_checkpoint(trainer, previous, current))  # type: ignore[misc]
 
     def _confined(self, path: str) -> bool:
@@ -364,43 +380,63 @@ class OrtCheckpointMixin:
         name = os.path.basename(path)
         if not self.dirpath or name.startswith(".") or not name.endswith(self.FILE_EXTENSION):  # type: ignore[attr-defined]
             return False
+        if storage.is_remote(self.dirpath) or storage.is_remote(path):  # a store has no links: names are all
+            root, folder = posixpath.normpath(self.dirpath), posixpath.normpath(posixpath.dirname(path))
+            return storage.is_remote(path) and (folder == root or folder.startswith(root.rstrip("/") + "/"))
         root = os.path.realpath(self.dirpath)
         folder = os.path.realpath(os.path.dirname(path) or os.curdir)
         return folder == root or folder.startswith(root.rstrip(os.sep) + os.sep)
 
     def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:  # type: ignore[override]
-        """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable."""
+        """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable; on a store
+        without links, a copy, independent of ``filepath`` from then on."""
         if not (self._confined(filepath) and self._confined(linkpath)):
             raise CheckpointError(f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; "
                                   f"refusing to link {linkpath!r} to {filepath!r}", linkpath)
-        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+        if trainer.is_global_zero and _absolute(filepath) != _absolute(linkpath):
             assert self._io is not None
             self._io.link(filepath, linkpath)  # queued behind the save of filepath when saving asynchronously
-            self._link_target = filepath
+            self._link_target = None if storage.is_remote(linkpath) else filepath
         trainer.strategy.barrier()
 
     # -- resume -------------------------------------------------------------------------------------------------
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         """For ``ckpt_path="last"``: the newest checkpoint in ``dirpath`` that can resume a fit, skipping damaged and
         weights-only files (and sub-folders only where ``filename`` makes them, with a "/")."""
-        lasts = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
         directory = lightning_compat.resolve_ckpt_dir(self, trainer)  # as Lightning does
-        candidates = set(lasts)
-        if directory and os.path.isdir(directory):
-            nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # type: ignore[attr-defined]
+        nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # type: ignore[attr-defined]
+        lasts = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
+        if storage.is_remote(directory):  # ModelCheckpoint's search drops the URL's protocol: put it back
+            candidates = {p for p in storage.list_files(directory, nested, self._storage_options())
+                          if p.endswith(self.FILE_EXTENSION)}  # type: ignore[attr-defined]
+            lasts = {p for p in candidates if os.path.normpath(storage.strip_protocol(p)) in lasts}
+        else:
+            candidates = set(lasts)
+        if directory and not storage.is_remote(directory) and os.path.isdir(directory):
             for folder, subfolders, files in os.walk(directory):
                 subfolders[:] = sorted(d for d in subfolders if nested and not d.startswith("."))
                 candidates |= {os.path.join(folder, f) for f in files
                                if f.endswith(self.FILE_EXTENSION) and not f.startswith(".")}  # type: ignore[attr-defined]
         # newest first; on a tie (a link and its target) the link, then Lightning's own last* names
-        for path in sorted(candidates, key=lambda p: (_mtime(p), os.path.islink(p), p in lasts), reverse=True):
-            problem = _unreadable(path) or _weights_only(path)
+        options = self._storage_options()
+        newest_first = sorted(candidates, key=lambda p: (storage.modified(p, options), os.path.islink(p), p in lasts),
+                              reverse=True)
+        for path in newest_first:
+            try:
+                with storage.fetched(path, options) as local:  # a file of a store is downloaded once for both
+                    problem = _unreadable(local) or _weights_only(local)
+            except CheckpointError as e:
+                problem = str(e).removeprefix(f"{path}: ")
             if problem is None:
-                self._found_last = os.path.abspath(path)
+                self._found_last = _absolute(path)
                 return {path}
             warnings.warn(f"{path} cannot be resumed from ({problem}); trying the next newest checkpoint",
                           CheckpointWarning, stacklevel=2)
         return set()
+
+    def _storage_options(self) -> StorageOptions | None:
+        """The options the files are written with: the plugin's (they may come from the Trainer's plugin)."""
+        return self._io.storage_options if self._io is not None else self.storage_options
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,  # type: ignore[misc]
@@ -413,7 +449,8 @@ class OrtCheckpointMixin:
         self._monitor_value, self._monitor_step = state_dict.get("monitor_value"), state_dict.get("monitor_step")
         self._restored_monitor = self._monitor_value is not None
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # only our own files, and never trusted beyond
-            self._saved = [p for p in state_dict.get("saved", []) if self._confined(p) and os.path.exists(p)]
+            self._saved = [p for p in state_dict.get("saved", [])
+                           if self._confined(p) and storage.exists(p, self._storage_options())]
             unranked = state_dict.get("last_unranked", "")
             self._last_unranked = unranked if self._confined(unranked) else ""
             named = [*self.best_k_models, self.kth_best_model_path, self.best_model_path,  # type: ignore[attr-defined]
@@ -425,11 +462,9 @@ class OrtCheckpointMixin:
                               CheckpointWarning, stacklevel=2)
 
 
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return float("-inf")
+def _absolute(path: str) -> str:
+    """The absolute form of a local path; a URL as it is."""
+    return path if storage.is_remote(path) else os.path.abspath(path)
 
 
 def _unreadable(path: str) -> str | None:

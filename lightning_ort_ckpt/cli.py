@@ -5,7 +5,9 @@ non-finite floats are the strings "nan", "inf", "-inf"); ``ort-ckpt verify FILE`
 checks every tensor against its recorded checksum and that the Lightning metadata decodes (fully when torch is
 installed), and exits 0 when the file is valid, 1 when it is not, naming what is wrong; ``ort-ckpt export FILE
 --module pkg.mod:Class --output model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs
-torch). Failures print one ``error: ...`` line, never a traceback.
+torch). Failures print one ``error: ...`` line, never a traceback. ``FILE`` may be an fsspec URL (``s3://...``),
+read with the store's default configuration (for S3: the ``AWS_*`` environment variables, ``AWS_ENDPOINT_URL``
+included, or ``FSSPEC_S3_*``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
+from .format import storage
 from .format.reader import CheckpointReader, TensorInfo
 from .translation import FORMAT, MANIFEST
 
@@ -66,8 +69,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
         return _export(args)
     try:
-        with CheckpointReader(args.file) as reader:
+        with storage.fetched(args.file) as local, CheckpointReader(local) as reader:  # a URL: downloaded first
             report = describe(reader)
+            if local != args.file:  # the report names the URL, not the downloaded copy
+                report["file"] = args.file
+                report["files"] = {args.file + name[len(local):]: size for name, size in report["files"].items()}
             if args.command == "verify":
                 reader.verify()
                 report["lightning_check"] = _check_lightning(reader)

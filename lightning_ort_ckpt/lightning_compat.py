@@ -50,7 +50,7 @@ MODEL_CHECKPOINT_PRIVATE = (
 )
 """The private methods of ``ModelCheckpoint`` that ``OrtCheckpoint`` overrides or calls. It also sets
 ``_every_n_train_steps``, ``_every_n_epochs`` and ``_train_time_interval`` (to combine triggers) and reads
-``_last_global_step_saved``."""
+``_last_global_step_saved``, and replaces ``_fs`` to pass ``storage_options`` (:func:`set_checkpoint_filesystem`)."""
 
 _MARK = "reads_ort_checkpoints"
 
@@ -64,6 +64,14 @@ def raw_checkpoint_io(strategy: Any) -> Any:
 def resolve_ckpt_dir(callback: Any, trainer: Any) -> Any:
     """The directory ``ModelCheckpoint`` saves into for this trainer (its ``dirpath``, or the logger's)."""
     return callback._ModelCheckpoint__resolve_ckpt_dir(trainer)
+
+
+def set_checkpoint_filesystem(callback: Any, dirpath: str, storage_options: dict[str, Any]) -> None:
+    """Give ``ModelCheckpoint``'s own file-system calls (``_fs``: does a file exist, is the folder empty) the
+    ``storage_options`` of its ``dirpath``; Lightning builds it without options."""
+    from fsspec.core import url_to_fs
+
+    callback._fs = url_to_fs(dirpath, **storage_options)[0]
 
 
 def validation_follows(trainer: Any) -> bool | None:

@@ -42,9 +42,10 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import lightning_compat, rng, staging
 from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
-from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
+from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, load_checkpoint, storage
 from .format.diskio import open_regular
 from .format.schema import FILE_IDENTIFIER
+from .format.storage import StorageOptions
 from .format.writer import ExternalData
 from .namespaces import Namespace, loaded, namespace_of
 from .torch_files import load_torch_file
@@ -64,13 +65,16 @@ class OrtCheckpointIOMixin:
         ort_compatible: store float16/bfloat16/float8 tensors as float32, which ORT 1.19.2 can load (it cannot load
             the narrow types). Lossless for Lightning: the original dtypes are recorded and restored.
         async_save: write in the background; training goes on once the tensors are copied off its memory.
+        storage_options: fsspec's options for checkpoint URLs (``s3://...``; credentials, ``client_kwargs``...),
+            see ``format.storage``; a ``storage_options`` Lightning passes to a save is merged over them.
     """
 
     def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, storage_options: StorageOptions | None = None) -> None:
         self.external_data = external_data
         self.ort_compatible = ort_compatible
         self.async_save = async_save
+        self.storage_options = storage_options
         self._worker: _Worker | None = None
         self._stager = staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
@@ -84,9 +88,8 @@ class OrtCheckpointIOMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"OrtCheckpointIO.save_checkpoint takes no storage_options, got {storage_options!r}")
         self._raise_background_error()
+        options = {**(self.storage_options or {}), **(storage_options or {})}
         path = os.fspath(path)
         strategy = self._owner_strategy(checkpoint.get("state_dict"))
         info = None
@@ -103,18 +106,18 @@ class OrtCheckpointIOMixin:
                 ck, path, staging.optimizer_tensors(strategy.optimizers if module is not None else []),
                 module.state_dict(keep_vars=True).values() if module is not None else [], self.wait)
             self._run_later(copy_later)
-            self._run_later(save_checkpoint, staged, path, external_data=self.external_data)
+            self._run_later(storage.save, staged, path, external_data=self.external_data, storage_options=options)
         else:
-            save_checkpoint(ck, path, external_data=self.external_data)
+            storage.save(ck, path, external_data=self.external_data, storage_options=options)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         self.wait()
-        if not is_ort_checkpoint(path):
+        if not is_ort_checkpoint(path, self.storage_options):
             torch_io = loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")
             return load_torch_file(torch_io().load_checkpoint, path, map_location, weights_only)
         strategy = self._owner_strategy()
-        checkpoint = read_lightning_checkpoint(path, strategy)
+        checkpoint = read_lightning_checkpoint(path, strategy, self.storage_options)
         states = checkpoint.get(RNG_KEY)  # left in the dict: OrtCheckpoint may need them again (on_train_start)
         if states is not None and _fitting(strategy):  # validate/test/predict must not reseed the process
             try:
@@ -126,15 +129,19 @@ class OrtCheckpointIOMixin:
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete a checkpoint and its ``.data`` file (after any save still being written)."""
         self._raise_background_error()
-        self._run_later(atomic.remove, os.fspath(path)) if self.async_save else atomic.remove(os.fspath(path))
+        if self.async_save:
+            self._run_later(storage.remove, os.fspath(path), self.storage_options)
+        else:
+            storage.remove(os.fspath(path), self.storage_options)
 
     def link(self, target: str | os.PathLike[str], linkpath: str | os.PathLike[str]) -> None:
-        """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable."""
+        """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable; on a
+        store without links (``s3://``...), a copy of it."""
         self._raise_background_error()
         if self.async_save:
-            self._run_later(atomic.link, os.fspath(target), os.fspath(linkpath))
+            self._run_later(storage.link_or_copy, os.fspath(target), os.fspath(linkpath), self.storage_options)
         else:
-            atomic.link(os.fspath(target), os.fspath(linkpath))
+            storage.link_or_copy(os.fspath(target), os.fspath(linkpath), self.storage_options)
 
     def wait(self) -> None:
         """Block until background work is done; raise the first error it met."""
@@ -213,8 +220,10 @@ class _Worker:
                 self._queue.task_done()
 
 
-def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` holds an ORT checkpoint (by its file identifier, not its name)."""
+def is_ort_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
+    """Whether ``path`` (a file or an fsspec URL) holds an ORT checkpoint (by its file identifier, not its name)."""
+    if storage.is_remote(path):
+        return storage.read_head(path, 8, storage_options)[4:8] == FILE_IDENTIFIER
     try:
         fd = open_regular(os.fspath(path))  # a FIFO must not block the test, nor a symlink loop raise
     except (OSError, CheckpointError):
@@ -228,7 +237,8 @@ def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
     return head[4:8] == FILE_IDENTIFIER
 
 
-def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None) -> dict[str, Any]:
+def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None,
+                              storage_options: StorageOptions | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file, whether Lightning or ORT alone wrote it.
 
     A file ORT alone wrote carries no loop progress and no optimizer hyperparameters: with the ``strategy`` of the
@@ -237,7 +247,8 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
     tensor once); without one the dict holds the weights only.
     """
     path = os.fspath(path)
-    ck = load_checkpoint(path)
+    with storage.fetched(path, storage_options) as local:
+        ck = load_checkpoint(local)
     if MANIFEST in ck.properties:
         return from_ort(ck, path)
     version = (namespace_of(strategy) if strategy is not None else loaded()[0]).version
@@ -289,13 +300,16 @@ class _OptimizerStatesFromOrt(Sequence):
         return iter(self._states())
 
 
-def read_any_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_any_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file or of a torch ``.ckpt`` (Lightning's own format, loaded with
-    ``weights_only=True``: no code in it runs), for export and artifacts."""
-    if is_ort_checkpoint(path):
-        return read_lightning_checkpoint(path)
+    ``weights_only=True``: no code in it runs), for export and artifacts; ``path`` may be an fsspec URL."""
+    if is_ort_checkpoint(path, storage_options):
+        return read_lightning_checkpoint(path, storage_options=storage_options)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        with storage.fetched(path, storage_options) as local:
+            checkpoint = torch.load(local, map_location="cpu", weights_only=True)
+    except CheckpointError:  # a remote file that cannot be fetched: ours already, naming it
+        raise
     except Exception as e:  # noqa: BLE001 - torch raises many types for foreign or damaged files
         raise CorruptCheckpointError(f"neither an ORT checkpoint nor a torch checkpoint that loads with "
                                      f"weights_only=True ({type(e).__name__}: {e})", os.fspath(path)) from None

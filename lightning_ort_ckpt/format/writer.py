@@ -365,12 +365,15 @@ def _sorted(names: Any) -> list[str]:
 _RECORD = -1  # the blob key of the checksum record: written as a placeholder, filled in after the tensors
 
 
-def _stream(out: BinaryIO, pieces: list[Piece], tensors: _Tensors, hashing: _Hashing) -> int:
+def _stream(out: BinaryIO, pieces: list[Piece], tensors: _Tensors, hashing: _Hashing,
+            record: bytes | None = None) -> int:
+    """Write the main file in order; the checksum record is a placeholder, filled in afterwards, unless the caller
+    computed it ahead (``record``: a file that cannot seek back, an object being uploaded)."""
     writer = _Writer(out, hashing)
     for piece in pieces:
         if isinstance(piece, Blob) and piece.key == _RECORD:
             hashing.record_offset = writer.total + writer.pending_bytes
-            writer.small(bytes(piece.nbytes))
+            writer.small(bytes(piece.nbytes) if record is None else record)
         elif isinstance(piece, Blob):
             writer.blob(tensors, piece.key)
         else:
@@ -384,6 +387,13 @@ def _stream_external(out: BinaryIO, external: list[tuple[int, int]], tensors: _T
         writer.small(bytes(pad))
         writer.blob(tensors, key)
     return writer.close()
+
+
+def _fileno(out: BinaryIO) -> int | None:
+    try:
+        return out.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return None
 
 
 def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
@@ -480,6 +490,7 @@ class _Writer:
         self.pending_bytes = 0
         self.total = 0
         self.behind = WriteBehind.open(out)
+        self.fd = _fileno(out)  # None: a file object of another file system (fsspec), written with plain writes
 
     def small(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -512,11 +523,11 @@ class _Writer:
 
     def _flush(self) -> None:
         views, self.pending, self.pending_bytes = self.pending, [], 0
-        if not hasattr(os, "writev") or portable_io():  # Windows, or the portable path forced: plain writes
+        if not hasattr(os, "writev") or portable_io() or self.fd is None:  # Windows, the portable path, fsspec
             for view in views:
                 self._write(view)
             return
-        fd, first = self.out.fileno(), 0
+        fd, first = self.fd, 0
         while first < len(views):
             n = os.writev(fd, views[first:])
             if n == 0:
@@ -530,7 +541,8 @@ class _Writer:
 
     def _write(self, data: memoryview, h: Any = None) -> None:
         data = data.cast("B")
-        step = BEHIND_BYTES if self.behind is not None or h is not None else len(data)
+        bounded = self.behind is not None or h is not None or self.fd is None  # an upload buffers each write
+        step = BEHIND_BYTES if bounded else len(data)
         hashed = 0
         while data:
             if hashed < step:  # hash each step (on the helper thread) while it is written

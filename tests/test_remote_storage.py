@@ -1,0 +1,368 @@
+"""Checkpoints in remote storage through fsspec: a real S3 API (moto's server, started here on 127.0.0.1, spoken to
+by s3fs) and ``memory://``.
+
+- ``OrtCheckpoint(dirpath="s3://...")`` writes top-k and last files to the store (nothing to a local folder named
+  ``s3:``), rotates old ones out, and ``fit(ckpt_path="last")`` resumes bit for bit like the uninterrupted run; so do
+  asynchronous saves and ``save_last="link"`` (a copy on a store).
+- ``load_from_checkpoint``, an explicit ``s3://`` ``ckpt_path``, ``ort-ckpt inspect/verify/export`` and ORT itself
+  read what was stored; a missing object is our error naming the URL.
+- A save that fails mid-upload (after parts were sent) leaves the previous object as it was and no upload pending;
+  an upload of a checkpoint many blocks long holds about a block in memory, not the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_ort_ckpt import CheckpointSaveError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
+from lightning_ort_ckpt.format import Checkpoint, load_checkpoint, storage
+from lightning_ort_ckpt.plugin import read_lightning_checkpoint
+from ort_reference import assert_same_tensor, ort_api
+from zoo_models import BATCH, ZOO, Entry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY = next(e for e in ZOO if e.name == "tied_transformer")  # dropout and shuffling: resume needs the RNG states
+BLOCK = 5 << 20  # S3's smallest part size: uploads of more than this go multipart
+
+
+# -- the S3 server ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _moto_command(port: int) -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    if os.path.exists(script):
+        return [script, "-H", "127.0.0.1", "-p", str(port)]
+    return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server on a free loopback port, for the whole session."""
+    port = _free_port()
+    server = subprocess.Popen(_moto_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start on {url}") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _s3_env(endpoint: str) -> dict[str, str]:
+    """How a process without storage_options finds the server: s3fs (botocore) reads these."""
+    return {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint}
+
+
+@dataclass
+class Store:
+    """A fresh folder in one kind of storage, and the options that reach it."""
+
+    root: str
+    options: dict[str, Any]
+
+    @property
+    def fs(self) -> Any:
+        return fsspec.core.url_to_fs(self.root, **self.options)[0]
+
+    def url(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def names(self) -> list[str]:
+        fs, path = fsspec.core.url_to_fs(self.root, **self.options)
+        fs.invalidate_cache()
+        return sorted(p[len(path) + 1:] for p in fs.find(path)) if fs.exists(path) else []
+
+    def read(self, name: str) -> bytes:
+        fs, path = fsspec.core.url_to_fs(self.url(name), **self.options)
+        fs.invalidate_cache()
+        return fs.cat_file(path)
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Store:
+    """A fresh bucket. The storage options name the server; the environment does too, for what Lightning itself
+    opens without options (``ckpt_path`` resolution) and for subprocesses."""
+    for name, value in _s3_env(s3_endpoint).items():
+        monkeypatch.setenv(name, value)
+    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": s3_endpoint}}
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    return Store(f"s3://{bucket}/run", options)
+
+
+@pytest.fixture
+def memory() -> Iterator[Store]:
+    store = Store(f"memory://ckpt-{uuid.uuid4().hex[:12]}/run", {})
+    yield store
+    fs = fsspec.filesystem("memory")
+    if fs.exists(store.root):
+        fs.rm(store.root, recursive=True)
+
+
+@pytest.fixture(params=["s3", "memory"])
+def store(request: pytest.FixtureRequest) -> Store:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run in an empty folder: a URL mistaken for a local path would show up there."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def assert_nothing_local(tmp_path: Any) -> None:
+    assert os.listdir(tmp_path) == [], f"written to the local disk: {os.listdir(tmp_path)}"
+
+
+# -- training -----------------------------------------------------------------------------------------------------
+def loader(entry: Entry) -> torch.utils.data.DataLoader:
+    x, y = entry.data()
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+
+
+def fit(model: Any, callbacks: list[Any], ckpt_path: str | None = None, plugins: list[Any] = (),
+        **limits: Any) -> pl.Trainer:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks, plugins=list(plugins), deterministic=True,
+                         **limits)
+    trainer.fit(model, loader(ENTRY), ckpt_path=ckpt_path)
+    return trainer
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for k, v in expected.items():
+        assert_same_tensor(actual[k], v, k)
+
+
+# -- fit, rotate, resume ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_fit_writes_newest_and_last_to_the_store_and_rotates_old_files_out(store: Store, async_save: bool,
+                                                                          tmp_path: Any) -> None:
+    callback = OrtCheckpoint(dirpath=store.root, filename="{step}", every_n_train_steps=1, keep_newest=2,
+                             save_last=True, async_save=async_save, storage_options=store.options)
+    model = ENTRY.build(0)
+    fit(model, [callback], max_epochs=2)  # 8 steps: 8 saves, 6 of them rotated out
+    assert store.names() == ["last.ckpt", "step=7.ckpt", "step=8.ckpt"]
+    assert callback.last_model_path == store.url("last.ckpt")
+    assert callback.best_model_path == store.url("step=8.ckpt")
+    for name in ("last.ckpt", "step=8.ckpt"):  # the files hold the final weights, checksums verified on read
+        assert_same_state(read_lightning_checkpoint(store.url(name), storage_options=store.options)["state_dict"],
+                          state(model))
+    assert_nothing_local(tmp_path)
+
+
+def test_resume_from_last_in_the_store_is_bitwise_the_uninterrupted_run(store: Store, tmp_path: Any) -> None:
+    straight = ENTRY.build(0)
+    fit(straight, [], enable_checkpointing=False, max_epochs=3)
+
+    first = ENTRY.build(0)
+    fit(first, [OrtCheckpoint(dirpath=store.root, save_last=True, storage_options=store.options)], max_epochs=1)
+    resumed = ENTRY.build(7)  # another seed: the checkpoint's weights and random states must win
+    callback = OrtCheckpoint(dirpath=store.root, save_last=True, storage_options=store.options)
+    trainer = fit(resumed, [callback], ckpt_path="last", max_epochs=3)
+    assert trainer.ckpt_path == store.url("last.ckpt")
+    assert trainer.global_step == straight.trainer.global_step == 12
+    assert_same_state(state(resumed), state(straight))
+    assert store.names() == ["epoch=2-step=12.ckpt", "last.ckpt"]  # the resumed-from epoch=0 file rotated out
+    assert_nothing_local(tmp_path)
+
+
+def test_save_last_link_is_a_copy_in_the_store(store: Store) -> None:
+    callback = OrtCheckpoint(dirpath=store.root, filename="{step}", every_n_train_steps=2, save_top_k=-1,
+                             save_last="link", storage_options=store.options)
+    model = ENTRY.build(0)
+    fit(model, [callback], max_epochs=1)
+    assert store.names() == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]
+    assert store.read("last.ckpt") == store.read("step=4.ckpt")
+
+
+def test_explicit_url_load_from_checkpoint_and_missing_objects(s3: Store) -> None:
+    model = ENTRY.build(0)
+    fit(model, [OrtCheckpoint(dirpath=s3.root, filename="end", storage_options=s3.options)], max_epochs=1)
+    url = s3.url("end.ckpt")
+    loaded = type(model).load_from_checkpoint(url)  # Lightning's loader, through the environment's S3 settings
+    assert_same_state(state(loaded), state(model))
+
+    resumed = ENTRY.build(3)
+    trainer = fit(resumed, [], ckpt_path=url, plugins=[OrtCheckpointIO(storage_options=s3.options)],
+                  enable_checkpointing=False, max_epochs=2)
+    straight = ENTRY.build(0)
+    fit(straight, [], enable_checkpointing=False, max_epochs=2)
+    assert trainer.global_step == 8
+    assert_same_state(state(resumed), state(straight))
+
+    missing = s3.url("nope.ckpt")
+    with pytest.raises(CorruptCheckpointError, match=f"^{missing}: no such checkpoint file"):
+        read_lightning_checkpoint(missing, storage_options=s3.options)
+
+
+# -- the command line and ORT -------------------------------------------------------------------------------------
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+                               **env}, timeout=300)
+
+
+def test_cli_inspects_verifies_and_exports_a_checkpoint_in_s3(s3: Store, s3_endpoint: str, tmp_path: Any) -> None:
+    model = ENTRY.build(0)
+    fit(model, [OrtCheckpoint(dirpath=s3.root, filename="end", storage_options=s3.options)], max_epochs=1)
+    url = s3.url("end.ckpt")
+    env = _s3_env(s3_endpoint)
+    inspected = run_cli("inspect", url, "--json", env=env)
+    assert inspected.returncode == 0, inspected.stderr
+    report = json.loads(inspected.stdout)
+    assert report["file"] == url and list(report["files"]) == [url]
+    assert report["totals"]["trainable"] == len([p for p in model.parameters()])  # tied: stored once
+
+    verified = run_cli("verify", url, env=env)
+    assert verified.returncode == 0 and verified.stdout.startswith(f"OK {url}:"), verified.stdout + verified.stderr
+
+    output = str(tmp_path / "model.onnx")
+    exported = run_cli("export", url, "--module", "zoo_models:TiedTransformer", "--output", output, "--tolerance",
+                       "1e-4", env=env)
+    assert exported.returncode == 0, exported.stderr
+    assert os.path.getsize(output) > 0
+
+    broken = s3.url("broken.ckpt")
+    s3.fs.pipe_file(storage.strip_protocol(broken), s3.read("end.ckpt")[:-100])  # truncated upload by another tool
+    invalid = run_cli("verify", broken, env=env)
+    assert invalid.returncode == 1 and invalid.stderr.startswith(f"INVALID {broken}: "), invalid.stderr
+    assert str(tmp_path) not in invalid.stderr  # the error names the URL, not the downloaded copy
+
+
+def test_ort_loads_and_trains_from_a_file_downloaded_from_s3(s3: Store, tmp_path: Any) -> None:
+    """A file stored with external data (``.data`` uploaded first) is, downloaded, a checkpoint ORT loads."""
+    model = ENTRY.build(0)
+    io = OrtCheckpointIO(external_data="params", storage_options=s3.options)
+    fit(model, [OrtCheckpoint(dirpath=s3.root, filename="end")], plugins=[io], max_epochs=1)  # the plugin's options
+    assert s3.names() == ["end.ckpt", "end.ckpt.data"]
+    local = tmp_path / "end.ckpt"
+    local.write_bytes(s3.read("end.ckpt"))
+    (tmp_path / "end.ckpt.data").write_bytes(s3.read("end.ckpt.data"))
+    ort = ort_api().CheckpointState.load_checkpoint(str(local))
+    names = [name for name, _ in ort.parameters if name in model.state_dict()]
+    assert "block.linear1.weight" in names
+    for name in names:
+        assert_same_tensor(torch.from_numpy(np.array(ort.parameters[name].data)), model.state_dict()[name], name)
+
+
+# -- failures and memory ------------------------------------------------------------------------------------------
+def big_checkpoint(nbytes: int, seed: int) -> Checkpoint:
+    rng = np.random.default_rng(seed)
+    return Checkpoint(trainable={"w": rng.standard_normal(nbytes // 4, dtype=np.float32)}, frozen={},
+                      optimizer_groups={}, properties={})
+
+
+def test_a_failed_upload_leaves_the_previous_object_and_nothing_pending(store: Store,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection breaks after two parts of the new file were sent: the upload is aborted."""
+    url = store.url("x.ckpt")
+    s3 = store.root.startswith("s3://")
+    options = {**store.options, "default_block_size": BLOCK} if s3 else store.options
+    storage.save(big_checkpoint(1 << 20, 0), url, storage_options=options)
+    before = store.read("x.ckpt")
+
+    file_class = type(fsspec.core.url_to_fs(url, **options)[0].open(storage.strip_protocol(url), "rb"))
+    original, sent = file_class.write, []
+
+    def write(self: Any, data: Any) -> int:
+        if self.tell() > 2 * BLOCK:
+            raise ConnectionResetError("the connection broke mid-upload")
+        sent.append(len(data))
+        return original(self, data)
+
+    monkeypatch.setattr(file_class, "write", write)
+    with pytest.raises(CheckpointSaveError, match=f"^{url}: save failed .*the connection broke mid-upload"):
+        storage.save(big_checkpoint(4 * BLOCK, 1), url, storage_options=options)
+    monkeypatch.undo()
+    assert sum(sent) > 2 * BLOCK  # it broke while the file was being sent
+    assert store.read("x.ckpt") == before
+    assert store.names() == ["x.ckpt"]  # no partial object, no temporary
+    if s3:
+        bucket = storage.strip_protocol(store.root).split("/")[0]
+        assert store.fs.list_multipart_uploads(bucket) == []  # aborted, not left to linger (and be billed)
+    assert_same_tensor(torch.from_numpy(read_checkpoint(url, options).trainable["w"].numpy()),
+                       torch.from_numpy(big_checkpoint(1 << 20, 0).trainable["w"]), "w")
+
+
+def read_checkpoint(url: str, options: dict[str, Any]) -> Checkpoint:
+    with storage.fetched(url, options) as local:
+        return load_checkpoint(local)
+
+
+_UPLOAD_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from lightning_ort_ckpt.format import Checkpoint, load_checkpoint, storage
+
+    def hwm():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+    url, endpoint, nbytes, block = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": endpoint},
+               "default_block_size": block}
+    tensors = {f"t{i}": np.full(nbytes // 8 // 4, i, dtype=np.float32) for i in range(8)}
+    small = Checkpoint(trainable={"w": np.ones(1000, np.float32)}, frozen={}, optimizer_groups={}, properties={})
+    storage.save(small, url + ".warmup", storage_options=options)  # the client, its pools and buffers: the baseline
+    baseline = hwm()
+    storage.save(Checkpoint(trainable=tensors, frozen={}, optimizer_groups={}, properties={}), url,
+                 storage_options=options)
+    print(json.dumps({"growth": hwm() - baseline}))
+""")
+
+
+def test_an_upload_holds_about_a_block_in_memory_not_the_checkpoint(s3: Store, s3_endpoint: str) -> None:
+    nbytes = 256 << 20
+    url = s3.url("big.ckpt")
+    done = subprocess.run([sys.executable, "-c", _UPLOAD_SCRIPT, url, s3_endpoint, str(nbytes), str(BLOCK)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    growth = json.loads(done.stdout.splitlines()[-1])["growth"]
+    assert s3.fs.size(storage.strip_protocol(url)) > nbytes
+    # a few blocks and writes in flight (46 MiB measured here), whatever the checkpoint's size; a buffer of the
+    # whole file would be 256 MiB
+    assert growth < nbytes // 4, f"peak memory grew by {growth / 2**20:.0f} MiB for a {nbytes >> 20} MiB upload"
