@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointError
-from .format import atomic
+from .format import atomic, storage
 from .plugin import read_any_checkpoint
 from .translation.lightning import with_aliases
 
@@ -63,7 +63,8 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     Args:
         model: your LightningModule class (built with ``load_from_checkpoint``, so hparams come from the file) or a
             module instance (the checkpoint's weights are loaded into it).
-        checkpoint: an ORT or torch checkpoint path.
+        checkpoint: an ORT or torch checkpoint path, or an fsspec URL (read with the store's default configuration,
+            e.g. ``AWS_*`` environment variables for S3).
         example_input: the input to export and compare with; defaults to the module's ``example_input_array``.
         tolerance: the largest absolute difference between ONNX Runtime and torch that is accepted.
         external_data: keep the weights in ``<output>.data`` (ONNX external data); by default only past 1 GiB.
@@ -90,7 +91,8 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     output_names = output_names or ([f"output{i}" for i in range(len(expected))] if len(expected) > 1 else ["output"])
     monitor, score = _monitored_score(state)
-    metadata = {"lightning_ort_ckpt.source_checkpoint": os.path.abspath(checkpoint),
+    source = checkpoint if storage.is_remote(checkpoint) else os.path.abspath(checkpoint)
+    metadata = {"lightning_ort_ckpt.source_checkpoint": source,
                 "lightning_ort_ckpt.global_step": str(state.get("global_step", "")),
                 "lightning_ort_ckpt.monitor": monitor or "", "lightning_ort_ckpt.score": "" if score is None else repr(score)}
     nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())

@@ -94,7 +94,7 @@ sys.path.insert(0, {TESTS_DIR!r})
 from pathlib import Path
 import test_async_save as t
 dirpath, async_save = Path(sys.argv[1]), sys.argv[2] == "1"
-from lightning_ort_ckpt.plugin import save_checkpoint
+from lightning_ort_ckpt.format.storage import save as save_checkpoint  # what the plugin queues
 queued = [0]
 def watch():  # how many saves wait in the plugin's queue (not yet being written), sampled while training runs
     while not done.is_set():

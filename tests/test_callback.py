@@ -616,9 +616,9 @@ def test_lightning_packages(tmp_path: Any, package: str, explicit_plugin: bool) 
 
 def _fail_after_first_save(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Make the plugin's background writer fail (OSError) on every save after the first; returns the saved paths."""
-    import lightning_ort_ckpt.plugin as plugin
+    from lightning_ort_ckpt.format import storage  # where the plugin's saves of local paths go
 
-    real, calls = plugin.save_checkpoint, []
+    real, calls = storage.save_checkpoint, []
 
     def flaky(ck: Any, path: str, **kwargs: Any) -> Any:
         calls.append(os.path.basename(path))
@@ -626,7 +626,7 @@ def _fail_after_first_save(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             raise OSError(28, "No space left on device (injected)")
         return real(ck, path, **kwargs)
 
-    monkeypatch.setattr(plugin, "save_checkpoint", flaky)
+    monkeypatch.setattr(storage, "save_checkpoint", flaky)
     return calls
 
 

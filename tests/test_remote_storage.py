@@ -27,6 +27,7 @@ from typing import Any
 
 import fsspec
 import numpy as np
+import onnx
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -263,7 +264,8 @@ def test_cli_inspects_verifies_and_exports_a_checkpoint_in_s3(s3: Store, s3_endp
     exported = run_cli("export", url, "--module", "zoo_models:TiedTransformer", "--output", output, "--tolerance",
                        "1e-4", env=env)
     assert exported.returncode == 0, exported.stderr
-    assert os.path.getsize(output) > 0
+    meta = {p.key: p.value for p in onnx.load(output).metadata_props}
+    assert meta["lightning_ort_ckpt.source_checkpoint"] == url
 
     broken = s3.url("broken.ckpt")
     s3.fs.pipe_file(storage.strip_protocol(broken), s3.read("end.ckpt")[:-100])  # truncated upload by another tool
