@@ -239,6 +239,28 @@ def test_explicit_url_load_from_checkpoint_and_missing_objects(s3: Store) -> Non
         read_lightning_checkpoint(missing, storage_options=s3.options)
 
 
+def test_storage_options_alone_reach_the_store(s3: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the environment pointing elsewhere (a closed loopback port), the plugin's options (and those Lightning
+    passes to one save) are what finds the server, for saving, reading and deleting."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore: no retries against the closed port
+    type(s3.fs).clear_instance_cache()  # no file system object made with the server's endpoint is reused
+    with pytest.raises(CheckpointSaveError):  # the check that this test means something: no options, no server
+        storage.save(big_checkpoint(1000, 0), s3.url("nowhere.ckpt"))
+    model = ENTRY.build(0)
+    trainer = fit(model, [], plugins=[OrtCheckpointIO(storage_options=s3.options)], enable_checkpointing=False,
+                  max_epochs=1)
+    trainer.save_checkpoint(s3.url("a.ckpt"))
+    trainer.strategy.checkpoint_io.storage_options = None
+    trainer.save_checkpoint(s3.url("b.ckpt"), storage_options=s3.options)  # Lightning's per-save options
+    assert s3.names() == ["a.ckpt", "b.ckpt"]
+    for name in ("a.ckpt", "b.ckpt"):
+        assert_same_state(read_lightning_checkpoint(s3.url(name), storage_options=s3.options)["state_dict"],
+                          state(model))
+    OrtCheckpointIO(storage_options=s3.options).remove_checkpoint(s3.url("a.ckpt"))
+    assert s3.names() == ["b.ckpt"]
+
+
 # -- the command line and ORT -------------------------------------------------------------------------------------
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", *args], capture_output=True, text=True,
@@ -327,6 +349,54 @@ def test_a_failed_upload_leaves_the_previous_object_and_nothing_pending(store: S
         assert store.fs.list_multipart_uploads(bucket) == []  # aborted, not left to linger (and be billed)
     assert_same_tensor(torch.from_numpy(read_checkpoint(url, options).trainable["w"].numpy()),
                        torch.from_numpy(big_checkpoint(1 << 20, 0).trainable["w"]), "w")
+
+
+_KILLED_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import s3fs
+    from lightning_ort_ckpt.format import Checkpoint, storage
+
+    url, endpoint, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": endpoint}, "default_block_size": block}
+    upload_chunk = s3fs.core.S3File._upload_chunk
+
+    def slow_network(self, final=False):  # two parts go through, then the connection stalls: the kill comes now
+        sent = upload_chunk(self, final)
+        if len(self.parts or []) >= 2:
+            print("two parts sent", flush=True)
+            time.sleep(600)
+        return sent
+
+    s3fs.core.S3File._upload_chunk = slow_network
+    w = np.random.default_rng(1).standard_normal(4 * block // 4, dtype=np.float32)
+    storage.save(Checkpoint(trainable={"w": w}, frozen={}, optimizer_groups={}, properties={}), url,
+                 storage_options=options)
+""")
+
+
+def test_a_killed_upload_leaves_the_previous_object(s3: Store, s3_endpoint: str) -> None:
+    """SIGKILL mid-upload (a preempted machine past its grace period): nothing can abort the upload, and still the
+    previous object is what readers get; the next save of the name completes normally."""
+    url = s3.url("x.ckpt")
+    storage.save(big_checkpoint(1 << 20, 0), url, storage_options=s3.options)
+    before = s3.read("x.ckpt")
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_SCRIPT, url, s3_endpoint, str(BLOCK)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        line = child.stdout.readline()  # type: ignore[union-attr]
+        assert line == "two parts sent\n", child.stderr.read()  # type: ignore[union-attr]
+    finally:
+        child.kill()
+        child.communicate()
+    assert s3.read("x.ckpt") == before
+    assert s3.names() == ["x.ckpt"]
+    bucket = storage.strip_protocol(s3.root).split("/")[0]
+    assert len(s3.fs.list_multipart_uploads(bucket)) == 1  # left to the bucket's lifecycle rule (see the guide)
+    storage.save(big_checkpoint(2 * BLOCK, 2), url, storage_options=s3.options)
+    assert_same_tensor(torch.from_numpy(read_checkpoint(url, s3.options).trainable["w"].numpy()),
+                       torch.from_numpy(big_checkpoint(2 * BLOCK, 2).trainable["w"]), "w")
 
 
 def read_checkpoint(url: str, options: dict[str, Any]) -> Checkpoint:

@@ -2,7 +2,7 @@
 
 One small interface for the layers above, by path or URL and fsspec ``storage_options``: :func:`save`, :func:`fetched`
 (a local file to read), :func:`remove`, :func:`link_or_copy`, :func:`exists`, :func:`modified`, :func:`list_files`
-and :func:`read_head`. A local path (no ``protocol://``, or ``file://``) goes exactly where it went before: the
+and :func:`read_head`. A local path (no ``protocol://``) goes exactly where it went before: the
 journaled atomic commit of ``atomic``, plain ``os`` calls. fsspec is imported only for a URL.
 
 An object store has no rename and no fsync, so a remote save streams the file to its final name, and the store makes
@@ -87,8 +87,8 @@ def save(checkpoint: Checkpoint, path: str | os.PathLike[str], *, external_data:
     plan = _plan_for_mode(checkpoint, tensors, external_data, path)
     record = plan.checksums.fill(_digests(tensors)) if plan.checksums is not None else None
     unhashed = _Hashing(tensors, False)
-    fs, where = _fs(path, storage_options)
     try:
+        fs, where = _fs(path, storage_options)  # an unknown protocol, or its package missing, fails here
         fs.makedirs(posixpath.dirname(where), exist_ok=True)
         if plan.data_size is not None:
             _upload(fs, atomic.data_path(where), lambda out: _stream_external(out, plan.external, tensors, unhashed))
@@ -153,10 +153,10 @@ def fetched(path: str | os.PathLike[str], storage_options: StorageOptions | None
     if not is_remote(path):
         yield path
         return
-    fs, where = _fs(path, storage_options)
     with tempfile.TemporaryDirectory(prefix="ort-ckpt-") as folder:
-        local = os.path.join(folder, posixpath.basename(where) or "checkpoint")
         try:
+            fs, where = _fs(path, storage_options)
+            local = os.path.join(folder, posixpath.basename(where) or "checkpoint")
             fs.get_file(where, local)
             if fs.isfile(atomic.data_path(where)):
                 fs.get_file(atomic.data_path(where), atomic.data_path(local))
