@@ -21,6 +21,9 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
   the same way (EarlyStopping, a second ``fit`` on the same Trainer). A file of a ModelCheckpoint with the same
   monitor, mode and triggers hands its ranking over on resume.
 - **Asynchronous saving** (``async_save=True``): training goes on while the file is written; see OrtCheckpointIO.
+- **Remote ``dirpath``** (``s3://...``, any fsspec URL, with ``storage_options``): files are uploaded whole or not at
+  all (``format.storage``), listed and deleted on the store; ``save_last="link"``, which ModelCheckpoint refuses
+  there, becomes a copy.
 - **"last" falls back**: ``ckpt_path="last"`` resumes from the newest checkpoint in ``dirpath`` that can resume a
   fit, skipping (with a warning) unreadable and weights-only files.
 - **Exact resume from any save point**: the random states are applied again at ``on_train_start`` when a checkpoint
