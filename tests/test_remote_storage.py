@@ -239,12 +239,14 @@ def test_explicit_url_load_from_checkpoint_and_missing_objects(s3: Store) -> Non
         read_lightning_checkpoint(missing, storage_options=s3.options)
 
 
-def test_storage_options_alone_reach_the_store(s3: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_storage_options_alone_reach_the_store(s3: Store, monkeypatch: pytest.MonkeyPatch,
+                                              request: pytest.FixtureRequest) -> None:
     """With the environment pointing elsewhere (a closed loopback port), the plugin's options (and those Lightning
     passes to one save) are what finds the server, for saving, reading and deleting."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore: no retries against the closed port
     type(s3.fs).clear_instance_cache()  # no file system object made with the server's endpoint is reused
+    request.addfinalizer(type(s3.fs).clear_instance_cache)  # nor, later, one made with the closed port
     with pytest.raises(CheckpointSaveError):  # the check that this test means something: no options, no server
         storage.save(big_checkpoint(1000, 0), s3.url("nowhere.ckpt"))
     model = ENTRY.build(0)
