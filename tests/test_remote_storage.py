@@ -353,6 +353,32 @@ def test_a_failed_upload_leaves_the_previous_object_and_nothing_pending(store: S
                        torch.from_numpy(big_checkpoint(1 << 20, 0).trainable["w"]), "w")
 
 
+def test_a_pair_broken_between_its_two_uploads_is_a_loud_error_not_other_weights(s3: Store,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """External data: ``.data`` goes first, so a failure while the main file is uploaded leaves the new ``.data``
+    beside the old main file. Loading it is CorruptCheckpointError naming the URL; the next save repairs it."""
+    url = s3.url("pair.ckpt")
+    storage.save(big_checkpoint(1 << 20, 0), url, external_data="params", storage_options=s3.options)
+    file_class = type(s3.fs.open(storage.strip_protocol(url), "rb"))
+    original = file_class.write
+
+    def write(self: Any, data: Any) -> int:
+        if not self.path.endswith(".data"):
+            raise ConnectionResetError("the connection broke mid-upload")
+        return original(self, data)
+
+    monkeypatch.setattr(file_class, "write", write)
+    with pytest.raises(CheckpointSaveError, match="the connection broke mid-upload"):
+        storage.save(big_checkpoint(1 << 20, 1), url, external_data="params", storage_options=s3.options)
+    monkeypatch.undo()
+    assert s3.names() == ["pair.ckpt", "pair.ckpt.data"]
+    with pytest.raises(CorruptCheckpointError, match=f"^{url}: .*checksum"):
+        read_checkpoint(url, s3.options)
+    storage.save(big_checkpoint(1 << 20, 1), url, external_data="params", storage_options=s3.options)
+    assert_same_tensor(torch.from_numpy(read_checkpoint(url, s3.options).trainable["w"].numpy()),
+                       torch.from_numpy(big_checkpoint(1 << 20, 1).trainable["w"]), "w")
+
+
 _KILLED_SCRIPT = textwrap.dedent("""
     import sys, time
     import numpy as np
