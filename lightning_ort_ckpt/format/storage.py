@@ -37,7 +37,8 @@ from .checkpoint import Checkpoint
 from .writer import ExternalData, _Hashing, _plan_for_mode, _stream, _stream_external, _Tensors, save_checkpoint
 
 StorageOptions = dict[str, Any]
-"""fsspec's keyword arguments for the file system of a URL (credentials, ``client_kwargs``, ``block_size``...)."""
+"""fsspec's keyword arguments for the file system of a URL (credentials, ``client_kwargs``, s3fs's
+``default_block_size``...)."""
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://|::")  # two letters at least: "C:\..." is a Windows path
 _LOCAL_PROTOCOLS = {"file", "local"}
@@ -85,19 +86,23 @@ def save(checkpoint: Checkpoint, path: str | os.PathLike[str], *, external_data:
         return
     tensors = _Tensors(path)
     plan = _plan_for_mode(checkpoint, tensors, external_data, path)
-    record = plan.checksums.fill(_digests(tensors)) if plan.checksums is not None else None
     unhashed = _Hashing(tensors, False)
+    data_replaced = False
     try:
+        record = plan.checksums.fill(_digests(tensors)) if plan.checksums is not None else None
         fs, where = _fs(path, storage_options)  # an unknown protocol, or its package missing, fails here
         fs.makedirs(posixpath.dirname(where), exist_ok=True)
         if plan.data_size is not None:
             _upload(fs, atomic.data_path(where), lambda out: _stream_external(out, plan.external, tensors, unhashed))
+            data_replaced = True
         written = _upload(fs, where, lambda out: _stream(out, plan.pieces, tensors, unhashed, record))
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - each store raises its own types (botocore, aiohttp, OSError...)
-        raise CheckpointSaveError(f"save failed ({type(e).__name__}: {e}); the previous checkpoint at this path, if "
-                                  "any, is unchanged", path) from e
+        outcome = (f"its new {atomic.DATA_SUFFIX} file was stored already: a previous checkpoint at this path does "
+                   "not load (a checksum error) until the next save of it" if data_replaced
+                   else "the previous checkpoint at this path, if any, is unchanged")
+        raise CheckpointSaveError(f"save failed ({type(e).__name__}: {e}); {outcome}", path) from e
     if written != plan.size:  # pragma: no cover - planner and streamer disagree: a bug, never silently written
         raise CheckpointSaveError(f"internal error: planned {plan.size} bytes, wrote {written}", path)
 
