@@ -79,6 +79,7 @@ class OrtCheckpointMixin:
         async_save: bool = False,
         external_data: ExternalData = "auto",
         ort_compatible: bool = False,
+        share_frozen: bool = True,
         export_best_to: str | os.PathLike[str] | None = None,
         export_tolerance: float = 1e-5,
     ) -> None:
@@ -109,6 +110,7 @@ class OrtCheckpointMixin:
         self.async_save = async_save
         self.external_data = external_data
         self.ort_compatible = ort_compatible
+        self.share_frozen = share_frozen
         self.export_best_to = export_best_to
         self.export_tolerance = export_tolerance
         self.export_report: Any = None
@@ -143,12 +145,15 @@ class OrtCheckpointMixin:
         io = lightning_compat.raw_checkpoint_io(trainer.strategy)
         if isinstance(io, OrtCheckpointIOMixin):
             self._io = io
-            mine = (self.external_data, self.ort_compatible, self.async_save)
-            if mine != ("auto", False, False) and mine != (io.external_data, io.ort_compatible, io.async_save):
-                warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible and "
-                              "async_save apply, not those given to OrtCheckpoint", CheckpointWarning, stacklevel=2)
+            mine = (self.external_data, self.ort_compatible, self.async_save, self.share_frozen)
+            theirs = (io.external_data, io.ort_compatible, io.async_save, io.share_frozen)
+            if mine != ("auto", False, False, True) and mine != theirs:
+                warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible, "
+                              "async_save and share_frozen apply, not those given to OrtCheckpoint",
+                              CheckpointWarning, stacklevel=2)
         elif io is None or type(io) in {ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in loaded()}:
-            self._io = plugin_class_for(ns)(self.external_data, self.ort_compatible, self.async_save)
+            self._io = plugin_class_for(ns)(self.external_data, self.ort_compatible, self.async_save,
+                                            self.share_frozen)
             trainer.strategy.checkpoint_io = self._io
         else:
             raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "

@@ -40,7 +40,7 @@ import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from . import lightning_compat, rng, staging
+from . import lightning_compat, rng, sharing, staging
 from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
 from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
 from .format.diskio import open_regular
@@ -64,20 +64,26 @@ class OrtCheckpointIOMixin:
         ort_compatible: store float16/bfloat16/float8 tensors as float32, which ORT 1.19.2 can load (it cannot load
             the narrow types). Lossless for Lightning: the original dtypes are recorded and restored.
         async_save: write in the background; training goes on once the tensors are copied off its memory.
+        share_frozen: frozen tensors (``requires_grad=False`` parameters, buffers) that did not change since the
+            previous save to the same local directory are not written again: the new file's ``.data`` is a hard
+            link to the previous one's (see ``sharing``). Only with ``external_data="auto"``. On by default.
     """
 
     def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, share_frozen: bool = True) -> None:
         self.external_data = external_data
         self.ort_compatible = ort_compatible
         self.async_save = async_save
+        self.share_frozen = share_frozen
+        self._sharing = sharing.FrozenSharing()
         self._worker: _Worker | None = None
         self._stager = staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only (a spawn launcher pickles the Trainer): no thread, buffers or owner."""
-        return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None}
+        return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None,
+                "_sharing": sharing.FrozenSharing()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -97,13 +103,21 @@ class OrtCheckpointIOMixin:
                           "parameters from buffers; all are saved as frozen and optimizer state by index. Lightning "
                           "resumes it exactly; ORT can load it but not train from it.", CheckpointWarning, stacklevel=2)
         ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=self.ort_compatible)
+        module = strategy.lightning_module if info is not None else None
+        snap = (self._sharing.snapshot(ck, path, module)
+                if self.share_frozen and self.external_data == "auto" and module is not None else None)
         if self.async_save:
-            module = strategy.lightning_module if info is not None else None
+            keep = snap.unchanged if snap is not None else ()
             staged, copy_later = self._stager.stage(
                 ck, path, staging.optimizer_tensors(strategy.optimizers if module is not None else []),
-                module.state_dict(keep_vars=True).values() if module is not None else [], self.wait)
+                module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, keep)
             self._run_later(copy_later)
-            self._run_later(save_checkpoint, staged, path, external_data=self.external_data)
+            if snap is not None:
+                self._run_later(self._sharing.save, staged, path, snap, self.external_data, keep)
+            else:
+                self._run_later(save_checkpoint, staged, path, external_data=self.external_data)
+        elif snap is not None:
+            self._sharing.save(ck, path, snap, self.external_data)
         else:
             save_checkpoint(ck, path, external_data=self.external_data)
 
