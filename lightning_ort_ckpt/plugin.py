@@ -107,7 +107,7 @@ class OrtCheckpointIOMixin:
         snap = (self._sharing.snapshot(ck, path, module)
                 if self.share_frozen and self.external_data == "auto" and module is not None else None)
         if self.async_save:
-            keep = snap.unchanged if snap is not None else ()
+            keep = snap.keep if snap is not None else set()
             staged, copy_later = self._stager.stage(
                 ck, path, staging.optimizer_tensors(strategy.optimizers if module is not None else []),
                 module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, keep)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Collection
 from typing import Any
 
@@ -30,7 +30,8 @@ import torch
 
 from .errors import CheckpointSaveError
 from .format import Checkpoint, data_path, save_checkpoint
-from .format.shared import Identity, SavedData, SharedFrozen
+from .format.checksums import param_key
+from .format.shared import Identity, NotShared, SavedData, SharedFrozen
 from .format.writer import ExternalData
 
 MIN_BYTES = 64 << 10
@@ -50,7 +51,20 @@ class Snapshot:
 
     directory: str
     live: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]]
-    unchanged: set[str]  # also unchanged since the previous save call: an asynchronous save need not copy them
+    params: set[str]  # the ones that are parameters (frozen ones): no forward pass changes them
+    unchanged: set[str] = field(default_factory=set)  # also unchanged since the previous save call
+
+    @property
+    def keep(self) -> set[str]:
+        """Frozen parameters an asynchronous save need not copy: unchanged since the previous call, which most likely
+        shares them. Buffers are always copied: a forward pass may change them without a version bump."""
+        return self.unchanged & self.params
+
+    def still_live(self, name: str) -> bool:
+        """Whether the live tensor ``name`` is still what it was at the save call."""
+        ref, state = self.live[name]
+        now = ref()
+        return now is not None and _state(now) == state
 
     def still(self, name: str, then: tuple[weakref.ref[torch.Tensor], tuple[Any, ...]] | None) -> bool:
         """Whether ``name`` is the tensor it was in the snapshot ``then`` (same object, memory and version)."""
@@ -75,6 +89,9 @@ class FrozenSharing:
     def __init__(self) -> None:
         self._calls: dict[str, Snapshot] = {}
         self._records: dict[str, _Record] = {}
+        # tensors found changed although their version was not (BatchNorm's running statistics: its kernels update
+        # them in place without bumping the counter): never shared again, always written inline
+        self._volatile: set[str] = set()
 
     def snapshot(self, ck: Checkpoint, path: str, module: torch.nn.Module) -> Snapshot | None:
         """On the training thread, at the save call: the frozen tensors of ``ck`` that are the module's own and
@@ -87,12 +104,12 @@ class FrozenSharing:
             mine = live_tensors.get(name)
             if (isinstance(t, torch.Tensor) and isinstance(mine, torch.Tensor) and mine.data_ptr() == t.data_ptr()
                     and mine.dtype == t.dtype and mine.shape == t.shape and t.layout == torch.strided
-                    and t.numel() * t.element_size() >= MIN_BYTES):
+                    and t.numel() * t.element_size() >= MIN_BYTES and name not in self._volatile):
                 live[name] = (weakref.ref(mine), _state(mine))
         if sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in live) < MIN_TOTAL_BYTES:
             return None
         directory = os.path.dirname(os.path.abspath(path))
-        snap = Snapshot(directory, live, set())
+        snap = Snapshot(directory, live, {n for n in live if isinstance(live_tensors[n], torch.nn.Parameter)})
         before = self._calls.get(directory)
         snap.unchanged = {n for n in live if before is not None and snap.still(n, before.live.get(n))}
         self._calls[directory] = snap
@@ -101,29 +118,41 @@ class FrozenSharing:
     def save(self, ck: Checkpoint, path: str, snap: Snapshot, external_data: ExternalData,
              kept: Collection[str] = ()) -> None:
         """Write ``ck`` to ``path`` sharing what the previous save of the directory holds unchanged, and remember
-        what this one holds. ``kept``: frozen tensors of ``ck`` that are the live ones, not staged copies (an
-        asynchronous save); those not shared after all are copied here, and must not have changed since the call."""
+        what this one holds. ``kept``: frozen parameters of ``ck`` that are the live ones, not staged copies (an
+        asynchronous save); those this save writes after all are copied first, and must not have changed since the
+        call."""
         record = self._records.pop(snap.directory, None)  # a failed save leaves none: the next one starts fresh
         spec = self._spec(ck, snap, record)
-        linked = spec.names.keys() if spec is not None and spec.link_from is not None else set()
-        for name in set(kept) - linked:  # to be written after all: from a copy, as the rest of an asynchronous save
-            ck.frozen[name] = _copy_unchanged(ck.frozen[name], snap, name, path)
-        saved = save_checkpoint(ck, path, external_data=external_data, shared=spec)
+        copied: set[str] = set()
+        while True:
+            linked = spec.names.keys() if spec is not None and spec.link_from is not None else set()
+            for name in set(kept) - linked - copied:  # written after all: from a copy, as the rest of the save
+                ck.frozen[name] = _copy_unchanged(ck.frozen[name], snap, name, path)
+                copied.add(name)
+            try:
+                saved = save_checkpoint(ck, path, external_data=external_data, shared=spec if not linked else
+                                        replace(spec, changed_since_asked=lambda n: not snap.still_live(n)))
+                break
+            except NotShared as e:  # no link here, or tensors that changed unseen
+                # a buffer is never shared again (a forward pass changes it unseen: BatchNorm's statistics); a
+                # parameter changed through .data once: this save writes a fresh .data, and later ones share that
+                self._volatile.update(n for n in e.names if n not in snap.params)
+                moved = not e.names or any(n in snap.params for n in e.names)
+                spec = self._spec(ck, snap, None if moved else record)
         if saved is not None:
             self._records[snap.directory] = self._remember(path, snap, saved, record)
 
     def _spec(self, ck: Checkpoint, snap: Snapshot, record: _Record | None) -> SharedFrozen | None:
         if record is not None:
-            same = {n: record.offsets[n] for n in snap.live
-                    if n in record.offsets and snap.still(n, record.seen.get(n))}
+            same = {n: record.offsets[n] for n in snap.live if n in record.offsets and n not in self._volatile
+                    and snap.still(n, record.seen.get(n))}
             shared_bytes = sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in same)
             source = _source(record)
             if source is not None and shared_bytes * 2 >= record.identity[2] and shared_bytes >= MIN_TOTAL_BYTES:
-                return SharedFrozen(same, source, record.identity, {k: record.digests[k] for k in
-                                                                    (f"param:{n}" for n in same)
-                                                                    if k in record.digests})
-        # a fresh .data: the tensors that did not change since the last save call (all of them at the first one)
-        names = snap.unchanged or set(snap.live)
+                keys = [param_key(n) for n in same]
+                return SharedFrozen(same, source, record.identity,
+                                    {k: record.digests[k] for k in keys if k in record.digests})
+        names = set(snap.live) - self._volatile  # a fresh .data
         if sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in names) < MIN_TOTAL_BYTES:
             return None
         return SharedFrozen({n: -1 for n in names})

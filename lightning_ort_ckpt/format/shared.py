@@ -15,8 +15,12 @@ tensors are unchanged is the caller's (``lightning_ort_ckpt.sharing``); planning
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from ..errors import CheckpointSaveError
 
 Identity = tuple[int, int, int]
 """A ``.data`` file as ``(st_dev, st_ino, st_size)``: the inode that a link must reach."""
@@ -29,15 +33,18 @@ class SharedFrozen:
     Without ``link_from``, a fresh ``.data`` holding ``names`` (sorted, aligned as ORT aligns) is written, read-only.
     With it, ``.data`` is a hard link to ``link_from``, which must still be the inode ``identity``; ``names`` map to
     their offsets there and ``digests`` (checksum key -> XXH3-64) to what the tensors' bytes hashed to when it was
-    written. Before the commit the writer hashes the live tensors again (while it writes the rest) and, if any
-    differs, writes a fresh ``.data`` instead: a change that no version counter saw is still caught.
-    Where the link cannot be made (another file system, no hard links), a fresh ``.data`` is written.
+    written. Before the commit the writer hashes the tensors again (while it writes the rest); one whose bytes
+    differ raises :class:`NotShared` (nothing is committed), unless ``changed_since_asked`` says it changed only
+    after the save was asked for (an asynchronous save reading the live tensor: the linked bytes are then the right
+    ones). Where the link cannot be made (another file system, no hard links) it raises :class:`NotShared` before
+    writing anything. Either way the caller saves again with :meth:`fresh`.
     """
 
     names: dict[str, int]
     link_from: str | None = None
     identity: Identity | None = None
     digests: dict[str, int] = field(default_factory=dict)
+    changed_since_asked: Callable[[str], bool] | None = None
 
     def fresh(self) -> SharedFrozen:
         """The same tensors, written to a fresh ``.data``."""
@@ -55,6 +62,18 @@ class SavedData:
     digests: dict[str, int]
 
 
+class NotShared(CheckpointSaveError):
+    """The linked ``.data`` cannot be used: no link could be made (``names`` empty), or the tensors ``names`` no
+    longer have the bytes they have there (changed without a version counter seeing it). Nothing was committed:
+    save again with a fresh ``.data``."""
+
+    def __init__(self, path: str, names: list[str]) -> None:
+        why = (f"frozen tensor {names[0]!r} ({len(names)} in all) changed although its version did not" if names
+               else "the shared .data file cannot be linked here")
+        super().__init__(why, path)
+        self.names = names
+
+
 def identity_of(fd: int) -> Identity:
     st = os.fstat(fd)
     return st.st_dev, st.st_ino, st.st_size
@@ -68,14 +87,10 @@ def link_into(source: str, expected: Identity, tmp: str) -> bool:
         os.link(source, tmp, follow_symlinks=False)
     except (OSError, NotImplementedError):
         return False
-    try:
+    with contextlib.suppress(OSError):
         st = os.stat(tmp, follow_symlinks=False)
         if (st.st_dev, st.st_ino, st.st_size) == expected:
             return True
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(tmp)
-    except OSError:
-        pass
     return False

@@ -34,7 +34,7 @@ from .diskio import BEHIND_BYTES, WriteBehind
 from .dtypes import DataType, from_numpy, from_torch
 from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from .platform import portable_io
-from .shared import SavedData, SharedFrozen, identity_of
+from .shared import SavedData, NotShared, SharedFrozen, identity_of
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -62,15 +62,14 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
     what ORT would write for the same state.
 
     ``shared`` (with ``external_data="auto"``): the frozen tensors it names go to a ``.data`` file that later saves
-    can share, or that is a hard link to an earlier save's (see ``shared``); everything else stays inline. What was
-    put there is returned, or None where the file would pass 2 GiB that way and was written as ``"auto"`` writes it.
+    can share, or that is a hard link to an earlier save's (see ``shared``; :class:`shared.NotShared` when that link
+    cannot be made or a linked tensor's bytes changed: nothing is committed); everything else stays inline. What was put there is returned, or None where the
+    file would pass 2 GiB that way and was written as ``"auto"`` writes it.
     """
     path = os.fspath(path)
     if shared is not None and external_data == "auto":
         try:
             return _save(checkpoint, path, "auto", checksums, shared)
-        except _SharedChanged:  # a linked tensor's bytes differ from the .data: write them fresh
-            return _save(checkpoint, path, "auto", checksums, shared.fresh())
         except _SharedTooLarge:
             pass
     _save(checkpoint, path, external_data, checksums, None)
@@ -85,10 +84,8 @@ def _save(checkpoint: Checkpoint, path: str, external_data: ExternalData, checks
     try:
         with atomic.atomic_save(path, with_data=plan.data_size is not None, link_data=link,  # type: ignore[arg-type]
                                 required_bytes=plan.size + (plan.data_size or 0)) as files:
-            if link is not None and not files.linked:  # no link here (another file system): a fresh .data
-                assert shared is not None
-                tensors, shared = _Tensors(path), shared.fresh()
-                plan = _plan_for_mode(checkpoint, tensors, external_data, path, checksums, shared)
+            if link is not None and not files.linked:  # no link here (another file system): nothing written yet
+                raise NotShared(path, [])
             with _Hashing(tensors, plan.checksums is not None) as hashing:
                 for key in plan.linked if plan.checksums is not None else ():  # on the helper thread, meanwhile
                     hashing.feed(key)
@@ -96,21 +93,9 @@ def _save(checkpoint: Checkpoint, path: str, external_data: ExternalData, checks
                 if files.data is not None:
                     _stream_external(files.data, plan.external, tensors, hashing)
             digests = hashing.digests() if plan.checksums is not None else {}
+            saved = _check_shared(shared, plan, tensors, files, digests, path) if shared is not None else None
             if plan.checksums is not None:
                 _write_at(files.main, hashing.record_offset, plan.checksums.fill(digests))
-            saved = None
-            if shared is not None:
-                mine = {tensors.entries[k].checksum_key: d for k in plan.linked
-                        if (d := digests.get(tensors.entries[k].checksum_key)) is not None}  # type: ignore[arg-type]
-                if any(shared.digests.get(key) != d for key, d in mine.items()):
-                    raise _SharedChanged(path)
-                if files.data is not None:
-                    _read_only(files.data)
-                offsets = plan.offsets
-                saved = SavedData(files.linked, shared.identity if files.linked  # type: ignore[arg-type]
-                                  else identity_of(files.data.fileno()),  # type: ignore[union-attr]
-                                  offsets, {_checksums.param_key(n): digests[_checksums.param_key(n)]
-                                            for n in offsets if _checksums.param_key(n) in digests})
     except CheckpointSaveError:
         raise
     except OSError as e:
@@ -121,8 +106,24 @@ def _save(checkpoint: Checkpoint, path: str, external_data: ExternalData, checks
     return saved
 
 
-class _SharedChanged(CheckpointSaveError):
-    """A tensor meant to stay in a linked ``.data`` no longer has the bytes it has there."""
+def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: atomic.SaveFiles,
+                  digests: dict[str, int], path: str) -> SavedData:
+    """What the save put in ``.data``, once the linked tensors are confirmed to hold the linked bytes (``digests``,
+    the hashes just computed, get the recorded ones of tensors that changed only after the save was asked for)."""
+    changed = []
+    for key in plan.linked:
+        name, ck_key = tensors.entries[key].name, tensors.entries[key].checksum_key
+        if ck_key in digests and digests[ck_key] != shared.digests.get(ck_key):  # type: ignore[arg-type]
+            if shared.changed_since_asked is None or not shared.changed_since_asked(name):
+                changed.append(name)
+            digests[ck_key] = shared.digests[ck_key]  # type: ignore[index]
+    if changed:
+        raise NotShared(path, changed)
+    if files.data is not None:
+        _read_only(files.data)
+    identity = shared.identity if files.linked else identity_of(files.data.fileno())  # type: ignore[union-attr]
+    keys = [_checksums.param_key(n) for n in plan.offsets]
+    return SavedData(files.linked, identity, plan.offsets, {k: digests[k] for k in keys if k in digests})
 
 
 class _SharedTooLarge(Exception):
