@@ -34,7 +34,7 @@ from .diskio import BEHIND_BYTES, WriteBehind
 from .dtypes import DataType, from_numpy, from_torch
 from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from .platform import portable_io
-from .shared import SavedData, NotShared, SharedFrozen, identity_of
+from .shared import NotShared, SavedData, SharedFrozen, identity_of
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -63,8 +63,8 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
 
     ``shared`` (with ``external_data="auto"``): the frozen tensors it names go to a ``.data`` file that later saves
     can share, or that is a hard link to an earlier save's (see ``shared``; :class:`shared.NotShared` when that link
-    cannot be made or a linked tensor's bytes changed: nothing is committed); everything else stays inline. What was put there is returned, or None where the
-    file would pass 2 GiB that way and was written as ``"auto"`` writes it.
+    cannot be made or a linked tensor's bytes changed: nothing is committed); everything else stays inline. What was
+    put there is returned, or None where the file would pass 2 GiB that way and was written as ``"auto"`` writes it.
     """
     path = os.fspath(path)
     if shared is not None and external_data == "auto":
