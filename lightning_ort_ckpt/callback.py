@@ -79,7 +79,7 @@ class OrtCheckpointMixin:
         async_save: bool = False,
         external_data: ExternalData = "auto",
         ort_compatible: bool = False,
-        share_frozen: bool = True,
+        share_frozen: bool | Literal["verified"] = True,
         export_best_to: str | os.PathLike[str] | None = None,
         export_tolerance: float = 1e-5,
     ) -> None:

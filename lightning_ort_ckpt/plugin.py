@@ -33,7 +33,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 import torch
@@ -66,16 +66,20 @@ class OrtCheckpointIOMixin:
         async_save: write in the background; training goes on once the tensors are copied off its memory.
         share_frozen: frozen tensors (``requires_grad=False`` parameters, buffers) that did not change since the
             previous save to the same local directory are not written again: the new file's ``.data`` is a hard
-            link to the previous one's (see ``sharing``). Only with ``external_data="auto"``. On by default.
+            link to the previous one's (see ``sharing``). Only with ``external_data="auto"``. On by default;
+            ``"verified"`` also hashes the shared frozen parameters at every save (a write through ``.data`` is
+            caught; costs a read of them per save), ``False`` turns sharing off.
     """
 
     def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False,
-                 async_save: bool = False, share_frozen: bool = True) -> None:
+                 async_save: bool = False, share_frozen: bool | Literal["verified"] = True) -> None:
+        if share_frozen not in (True, False, "verified"):
+            raise ValueError(f'share_frozen must be True, False or "verified", got {share_frozen!r}')
         self.external_data = external_data
         self.ort_compatible = ort_compatible
         self.async_save = async_save
         self.share_frozen = share_frozen
-        self._sharing = sharing.FrozenSharing()
+        self._sharing = sharing.FrozenSharing(verify_parameters=share_frozen == "verified")
         self._worker: _Worker | None = None
         self._stager = staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
@@ -83,7 +87,7 @@ class OrtCheckpointIOMixin:
     def __getstate__(self) -> dict[str, Any]:
         """The settings only (a spawn launcher pickles the Trainer): no thread, buffers or owner."""
         return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None,
-                "_sharing": sharing.FrozenSharing()}
+                "_sharing": sharing.FrozenSharing(self.share_frozen == "verified")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

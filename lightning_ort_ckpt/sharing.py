@@ -5,13 +5,16 @@ format layer can keep frozen tensors in a ``.data`` file that later checkpoints 
 (``format.shared``); this module decides, per save, which frozen tensors are unchanged since the previous save of
 the same plugin to the same directory, and remembers what each save put in its ``.data``.
 
-Change is detected in two steps. First by torch: the live module tensor (the very object, held weakly), its memory
-(``data_ptr``, shape, strides, dtype, device) and its version counter, which every in-place operation bumps
-(``load_state_dict``'s copies, ``optimizer.step``, BatchNorm's running statistics in a training forward). A tensor
-that differs in any of these is written fresh. Then by content: the writer hashes the live tensors it means to share
-while it writes the rest, and compares with the checksums recorded when the shared ``.data`` was written; a write
-through ``tensor.data`` (which bypasses the version counter) is caught there, and the save writes a fresh ``.data``.
-With ``checksums=False`` there are no digests, and only the first step applies.
+Change is detected by torch first: the live module tensor (the very object, held weakly), its memory
+(``data_ptr``, shape, strides, dtype, device) and its version counter, which in-place operations bump
+(``load_state_dict``'s copies, ``optimizer.step``, ``torch.no_grad()`` edits). A tensor that differs in any of these
+is written fresh. Buffers are then confirmed by content: the writer hashes them while it writes the rest and
+compares with the checksums recorded when the shared ``.data`` was written, because BatchNorm's kernels update its
+running statistics in place without bumping the counter; a buffer found changed that way is never shared again.
+Frozen parameters are trusted on torch's word by default: hashing them all at every save cost about 0.1 s per GB on
+the benchmark machine, over the 1.5x budget of issue #16 (see docs/performance.md); with
+``verify_parameters`` (``share_frozen="verified"``) they are hashed too, which also catches a write through
+``tensor.data`` (it bypasses the version counter), and such a parameter gets a fresh ``.data``.
 
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a
@@ -86,7 +89,8 @@ class _Record:
 class FrozenSharing:
     """The sharing state of one plugin: the last save call's snapshot and the last save's record, per directory."""
 
-    def __init__(self) -> None:
+    def __init__(self, verify_parameters: bool = False) -> None:
+        self.verify_parameters = verify_parameters
         self._calls: dict[str, Snapshot] = {}
         self._records: dict[str, _Record] = {}
         # tensors found changed although their version was not (BatchNorm's running statistics: its kernels update
@@ -150,8 +154,9 @@ class FrozenSharing:
             source = _source(record)
             if source is not None and shared_bytes * 2 >= record.identity[2] and shared_bytes >= MIN_TOTAL_BYTES:
                 keys = [param_key(n) for n in same]
+                trusted = frozenset() if self.verify_parameters else frozenset(snap.params & same.keys())
                 return SharedFrozen(same, source, record.identity,
-                                    {k: record.digests[k] for k in keys if k in record.digests})
+                                    {k: record.digests[k] for k in keys if k in record.digests}, trusted)
         names = set(snap.live) - self._volatile  # a fresh .data
         if sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in names) < MIN_TOTAL_BYTES:
             return None

@@ -33,7 +33,8 @@ class SharedFrozen:
     Without ``link_from``, a fresh ``.data`` holding ``names`` (sorted, aligned as ORT aligns) is written, read-only.
     With it, ``.data`` is a hard link to ``link_from``, which must still be the inode ``identity``; ``names`` map to
     their offsets there and ``digests`` (checksum key -> XXH3-64) to what the tensors' bytes hashed to when it was
-    written. Before the commit the writer hashes the tensors again (while it writes the rest); one whose bytes
+    written. Before the commit the writer hashes the tensors again (while it writes the rest), except those in
+    ``trusted`` (whose recorded digests are taken as they are: the caller vouches for them); one whose bytes
     differ raises :class:`NotShared` (nothing is committed), unless ``changed_since_asked`` says it changed only
     after the save was asked for (an asynchronous save reading the live tensor: the linked bytes are then the right
     ones). Where the link cannot be made (another file system, no hard links) it raises :class:`NotShared` before
@@ -44,6 +45,7 @@ class SharedFrozen:
     link_from: str | None = None
     identity: Identity | None = None
     digests: dict[str, int] = field(default_factory=dict)
+    trusted: frozenset[str] = frozenset()
     changed_since_asked: Callable[[str], bool] | None = None
 
     def fresh(self) -> SharedFrozen:

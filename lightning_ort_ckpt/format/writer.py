@@ -87,8 +87,8 @@ def _save(checkpoint: Checkpoint, path: str, external_data: ExternalData, checks
             if link is not None and not files.linked:  # no link here (another file system): nothing written yet
                 raise NotShared(path, [])
             with _Hashing(tensors, plan.checksums is not None) as hashing:
-                for key in plan.linked if plan.checksums is not None else ():  # on the helper thread, meanwhile
-                    hashing.feed(key)
+                for key in _to_verify(shared, plan, tensors) if plan.checksums is not None else ():
+                    hashing.feed(key)  # on the helper thread, while the main file is written
                 written = _stream(files.main, plan.pieces, tensors, hashing)
                 if files.data is not None:
                     _stream_external(files.data, plan.external, tensors, hashing)
@@ -111,9 +111,12 @@ def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: a
     """What the save put in ``.data``, once the linked tensors are confirmed to hold the linked bytes (``digests``,
     the hashes just computed, get the recorded ones of tensors that changed only after the save was asked for)."""
     changed = []
+    verified = set(_to_verify(shared, plan, tensors))
     for key in plan.linked:
         name, ck_key = tensors.entries[key].name, tensors.entries[key].checksum_key
-        if ck_key in digests and digests[ck_key] != shared.digests.get(ck_key):  # type: ignore[arg-type]
+        if key not in verified and ck_key in digests:
+            digests[ck_key] = shared.digests[ck_key]  # type: ignore[index]
+        elif ck_key in digests and digests[ck_key] != shared.digests.get(ck_key):  # type: ignore[arg-type]
             if shared.changed_since_asked is None or not shared.changed_since_asked(name):
                 changed.append(name)
             digests[ck_key] = shared.digests[ck_key]  # type: ignore[index]
@@ -124,6 +127,14 @@ def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: a
     identity = shared.identity if files.linked else identity_of(files.data.fileno())  # type: ignore[union-attr]
     keys = [_checksums.param_key(n) for n in plan.offsets]
     return SavedData(files.linked, identity, plan.offsets, {k: digests[k] for k in keys if k in digests})
+
+
+def _to_verify(shared: SharedFrozen | None, plan: _Plan, tensors: _Tensors) -> list[int]:
+    """The linked tensors to hash again: all but those the caller trusts and whose digest was recorded."""
+    if shared is None:
+        return []
+    return [k for k in plan.linked if tensors.entries[k].name not in shared.trusted
+            or tensors.entries[k].checksum_key not in shared.digests]
 
 
 class _SharedTooLarge(Exception):
