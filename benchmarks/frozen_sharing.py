@@ -82,10 +82,12 @@ def written() -> int:
 
 
 class Timing:
-    """Wraps a CheckpointIO's ``save_checkpoint``: seconds and bytes written per call."""
+    """Wraps a CheckpointIO's ``save_checkpoint``: seconds and bytes written per call; with ``baseline``, also times
+    that (the trainable part alone) right after each save, so that both see the same state of the disk and cache."""
 
-    def __init__(self, io: Any) -> None:
+    def __init__(self, io: Any, baseline: Any = None) -> None:
         self.saves: list[tuple[float, int]] = []
+        self.baselines: list[float] = []
         original = io.save_checkpoint
 
         def timed(*args: Any, **kwargs: Any) -> None:
@@ -93,6 +95,8 @@ class Timing:
             b0, t0 = written(), time.perf_counter()
             original(*args, **kwargs)
             self.saves.append((time.perf_counter() - t0, written() - b0))
+            if baseline is not None:
+                self.baselines.append(baseline())
 
         io.save_checkpoint = timed
 
@@ -120,42 +124,42 @@ def run(kind: str, directory: str, args: argparse.Namespace, state: dict[str, to
     else:
         io = OrtCheckpointIO(share_frozen={"sharing": True, "verified": "verified", "whole": False}[kind])
         callback = OrtCheckpoint(**every)
-    timing = Timing(io)
+    trainers: list[pl.Trainer] = []
+    timing = Timing(io, (lambda: trainable_alone(model, trainers[0], directory)) if kind == "sharing" else None)
     g = torch.Generator().manual_seed(0)
     steps = args.every * args.saves
     data = TensorDataset(torch.randint(0, model.embed.num_embeddings, (steps * 8, 16), generator=g),
                          torch.randint(0, model.head.out_features, (steps * 8,), generator=g))
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[callback], plugins=[io], max_steps=steps)
+    trainers.append(trainer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, DataLoader(data, batch_size=8))
     atomic.wait_for_cleanup()
     files = sorted(f for f in os.listdir(directory) if f.endswith(".ckpt"))
     main = max(os.path.getsize(os.path.join(directory, f)) for f in files)
-    out = {"saves": timing.saves, "disk": disk_use(directory), "files": len(files), "largest_main": main}
-    if kind == "sharing":
-        out["baseline"] = baseline(model, trainer, directory)
-    return out
+    return {"saves": timing.saves, "baselines": timing.baselines, "disk": disk_use(directory), "files": len(files),
+            "largest_main": main}
 
 
-def baseline(model: FineTune, trainer: pl.Trainer, directory: str) -> float:
-    """Seconds to write the trainable part and its AdamW state alone, with the same writer (median of 3)."""
+def trainable_alone(model: FineTune, trainer: pl.Trainer, directory: str) -> float:
+    """Seconds to write the trainable part and its AdamW state alone (zeros before the first step), with the same
+    writer, to a file deleted again."""
     opt = trainer.optimizers[0]
-    states = {n: {"momentum0": opt.state[p]["exp_avg"], "momentum1": opt.state[p]["exp_avg_sq"]}
-              for n, p in model.named_parameters() if p.requires_grad}
-    ck = Checkpoint(trainable={n: p for n, p in model.named_parameters() if p.requires_grad},
-                    optimizer_groups={"group0": OptimizerGroup(trainer.global_step, 1e-3, states)})
-    times = []
-    for _ in range(3):
-        path = os.path.join(directory, "trainable-only.ort")
-        atomic.wait_for_cleanup()
-        t0 = time.perf_counter()
-        save_checkpoint(ck, path)
-        times.append(time.perf_counter() - t0)
-        atomic.remove(path)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    states = {n: {m: opt.state[p].get(k, torch.zeros_like(p)) for m, k in (("momentum0", "exp_avg"),
+                                                                          ("momentum1", "exp_avg_sq"))}
+              for n, p in params.items()}
+    ck = Checkpoint(trainable=params, optimizer_groups={"group0": OptimizerGroup(trainer.global_step, 1e-3, states)})
+    path = os.path.join(directory, "trainable-only.ort")
     atomic.wait_for_cleanup()
-    return statistics.median(times)
+    t0 = time.perf_counter()
+    save_checkpoint(ck, path)
+    elapsed = time.perf_counter() - t0
+    atomic.remove(path)
+    atomic.wait_for_cleanup()
+    return elapsed
 
 
 def mb(n: float) -> str:
@@ -198,17 +202,21 @@ def main() -> None:
         print(f"| {kind} | {len(r['saves'])} | {first[0]:.2f} s, {mb(first[1])} | {statistics.median(times):.2f} s, "
               f"{max(times):.2f} s | {mb(statistics.median(b for _, b in later))} | {mb(r['disk'])} |")
     s = results["sharing"]
-    base = s["baseline"]
     later = [t for t, _ in s["saves"][1:]]
-    print(f"\nbaseline: the trainable part and its AdamW state alone, same writer: {base:.2f} s "
-          f"({mb(trainable * 4 * 3)} of tensors)")
+    ratios = [t / b for (t, _), b in zip(s["saves"][1:], s["baselines"][1:])]
+    base = statistics.median(s["baselines"][1:])
+    print(f"\nbaseline: the trainable part and its AdamW state alone ({mb(trainable * 4 * 3)} of tensors), same "
+          f"writer, written right after each sharing save: median {base:.2f} s; sharing save / baseline, save by "
+          f"save: {', '.join(f'{r:.2f}' for r in ratios)}")
     limit = 1.5 * base
     block = 4096  # du counts allocated blocks: each file rounds up to one
     budget = frozen + block + s["files"] * (s["largest_main"] + block)
     verdict = [
         (f"second and later sharing saves <= 1.5x baseline ({limit:.2f} s): median {statistics.median(later):.2f} s",
          statistics.median(later) <= limit),
-        (f"  ... and every one of them: max {max(later):.2f} s", max(later) <= limit),
+        (f"  ... save by save, against the baseline written right after it: median ratio "
+         f"{statistics.median(ratios):.2f}", statistics.median(ratios) <= 1.5),
+        (f"  ... and every one of them: max ratio {max(ratios):.2f}", max(ratios) <= 1.5),
         (f"{s['files']} files use <= one frozen copy + {s['files']} x the largest main file ({mb(budget)}): "
          f"{mb(s['disk'])}", s["disk"] <= budget),
     ]
