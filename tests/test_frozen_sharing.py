@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
 from pathlib import Path
@@ -263,6 +264,49 @@ def test_batchnorm_statistics_are_written_each_time(tmp_path: Path, monkeypatch:
     for p in files:
         step = int(p.name.split("step=")[1].split(".")[0])
         assert_alone_holds(p, states.states[step], tmp_path)
+
+
+def test_ort_saving_over_a_shared_file_fails_instead_of_damaging_the_others() -> None:
+    """ORT's CheckpointState.save_checkpoint rewrites <path>.data in place; a shared .data is read-only, so ORT's
+    save there fails and the other checkpoints keep their bytes, while ORT saves to a new path as usual (root
+    ignores the mode: the child drops to nobody, in a directory of its own that nobody can reach)."""
+    api = ort_api()
+    import encodings.raw_unicode_escape  # noqa: F401  (imported before dropping privileges: nobody cannot read them)
+    import encodings.unicode_escape  # noqa: F401
+
+    directory = Path(tempfile.mkdtemp(prefix="ort-ckpt-shared-"))
+    try:
+        os.chmod(directory, 0o777)
+        a, b = directory / "a.ckpt", directory / "b.ckpt"
+        first = save_checkpoint(frozen_checkpoint(1), a, shared=SharedFrozen({"backbone.0.weight": -1,
+                                                                              "backbone.1.weight": -1}))
+        save_checkpoint(frozen_checkpoint(2), b, shared=linked_spec(first, str(a) + ".data"))
+        os.chmod(b, 0o666)
+        data = (directory / "a.ckpt.data").read_bytes()
+        state = api.CheckpointState.load_checkpoint(str(b))
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            outcome = []
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            for target in (directory / "new.ckpt", b):
+                try:
+                    api.CheckpointState.save_checkpoint(state, str(target))
+                    outcome.append("saved")
+                except Exception:  # noqa: BLE001 - ORT raises RuntimeError
+                    outcome.append("refused")
+            os.write(write, " ".join(outcome).encode())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read, "rb") as f:
+            assert f.read() == b"saved refused"
+        assert (directory / "a.ckpt.data").read_bytes() == data
+        assert_same_checkpoint(load_checkpoint(a), load_checkpoint_expected(1))
+    finally:
+        shutil.rmtree(directory)
 
 
 # -- where sharing cannot happen ----------------------------------------------------------------------------------------
