@@ -34,7 +34,7 @@ import torch
 from .errors import CheckpointSaveError
 from .format import Checkpoint, data_path, save_checkpoint
 from .format.checksums import param_key
-from .format.shared import Identity, NotShared, SavedData, SharedFrozen
+from .format.shared import Identity, NotShared, SavedData, SharedFrozen, identity
 from .format.writer import ExternalData
 
 MIN_BYTES = 64 << 10
@@ -177,7 +177,7 @@ def _source(record: _Record) -> str | None:
             st = os.stat(source, follow_symlinks=False)
         except OSError:
             continue
-        if (st.st_dev, st.st_ino, st.st_size) == record.identity:
+        if identity(st) == record.identity:
             return source
     return None
 

@@ -405,6 +405,21 @@ def test_a_linked_save_writes_only_the_main_file(tmp_path: Path) -> None:
     assert_same_checkpoint(load_checkpoint(a), load_checkpoint_expected(1))
 
 
+def test_a_data_file_that_is_not_the_recorded_one_is_never_linked(tmp_path: Path) -> None:
+    """The link must reach the very file recorded (device, inode, size and modification time): a file rewritten in
+    place, or a new one that got a freed inode number back, differs in one of them."""
+    names = {"backbone.0.weight": -1, "backbone.1.weight": -1}
+    a = tmp_path / "a.ckpt"
+    first = save_checkpoint(frozen_checkpoint(1), a, shared=SharedFrozen(names))
+    stat = os.stat(str(a) + ".data")
+    os.utime(str(a) + ".data", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # as a write in place would
+    with pytest.raises(shared.NotShared) as caught:
+        save_checkpoint(frozen_checkpoint(2), tmp_path / "b.ckpt", shared=linked_spec(first, str(a) + ".data"))
+    assert caught.value.names == []
+    atomic.wait_for_cleanup()
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "a.ckpt.data"]  # nothing written, no link left
+
+
 def load_checkpoint_expected(seed: int, frozen_seed: int = 0) -> Checkpoint:
     """What ``frozen_checkpoint`` reads back as (the reader adds nothing; tensors come back as torch)."""
     return frozen_checkpoint(seed, frozen_seed)

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointSaveError
 
-Identity = tuple[int, int, int]
-"""A ``.data`` file as ``(st_dev, st_ino, st_size)``: the inode that a link must reach."""
+Identity = tuple[int, int, int, int]
+"""A ``.data`` file as ``(st_dev, st_ino, st_size, st_mtime_ns)``: the inode that a link must reach. The size and
+modification time (which links, renames and mode changes leave alone) tell a reused inode number from ours."""
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,8 @@ class NotShared(CheckpointSaveError):
         self.names = names
 
 
-def identity_of(fd: int) -> Identity:
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino, st.st_size
+def identity(st: os.stat_result) -> Identity:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def link_into(source: str, expected: Identity, tmp: str) -> bool:
@@ -90,8 +90,7 @@ def link_into(source: str, expected: Identity, tmp: str) -> bool:
     except (OSError, NotImplementedError):
         return False
     with contextlib.suppress(OSError):
-        st = os.stat(tmp, follow_symlinks=False)
-        if (st.st_dev, st.st_ino, st.st_size) == expected:
+        if identity(os.stat(tmp, follow_symlinks=False)) == expected:
             return True
     with contextlib.suppress(OSError):
         os.unlink(tmp)

@@ -34,7 +34,7 @@ from .diskio import BEHIND_BYTES, WriteBehind
 from .dtypes import DataType, from_numpy, from_torch
 from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from .platform import portable_io
-from .shared import NotShared, SavedData, SharedFrozen, identity_of
+from .shared import NotShared, SavedData, SharedFrozen, identity
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -124,9 +124,9 @@ def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: a
         raise NotShared(path, changed)
     if files.data is not None:
         _read_only(files.data)
-    identity = shared.identity if files.linked else identity_of(files.data.fileno())  # type: ignore[union-attr]
+    inode = shared.identity if files.linked else identity(os.fstat(files.data.fileno()))  # type: ignore[union-attr]
     keys = [_checksums.param_key(n) for n in plan.offsets]
-    return SavedData(files.linked, identity, plan.offsets, {k: digests[k] for k in keys if k in digests})
+    return SavedData(files.linked, inode, plan.offsets, {k: digests[k] for k in keys if k in digests})
 
 
 def _to_verify(shared: SharedFrozen | None, plan: _Plan, tensors: _Tensors) -> list[int]:
