@@ -11,8 +11,8 @@ Change is detected by torch first: the live module tensor (the very object, held
 is written fresh. Buffers are then confirmed by content: the writer hashes them while it writes the rest and
 compares with the checksums recorded when the shared ``.data`` was written, because BatchNorm's kernels update its
 running statistics in place without bumping the counter; a buffer found changed that way is never shared again.
-Frozen parameters are trusted on torch's word by default: hashing them all at every save cost about 0.1 s per GB on
-the benchmark machine, over the 1.5x budget of issue #16 (see docs/performance.md); with
+Frozen parameters are trusted on torch's word by default: hashing them all at every save cost up to about 0.1 s per
+GB on the benchmark machine under load, past the 1.5x budget of issue #16 (see docs/performance.md); with
 ``verify_parameters`` (``share_frozen="verified"``) they are hashed too, which also catches a write through
 ``tensor.data`` (it bypasses the version counter), and such a parameter gets a fresh ``.data``.
 
