@@ -106,7 +106,7 @@ def assert_alone_holds(path: Path, state: dict[str, torch.Tensor], tmp: Path) ->
             assert_same_tensor((ck.trainable.get(name, ck.frozen.get(name))), t, f"{path.name}: {name}")
 
 
-# -- sharing happens, and every file stays whole ----------------------------------------------------------------------
+# -- sharing happens, and every file stays whole -----------------------------------------------------------------------
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("save_last", [True, "link"], ids=["last-copy", "last-link"])
 def test_unchanged_saves_share_one_data_file(tmp_path: Path, async_save: bool, save_last: Any) -> None:
@@ -207,7 +207,7 @@ def test_rotation_keeps_one_frozen_copy(tmp_path: Path, retention: str) -> None:
         assert_alone_holds(p, states.states[step], tmp_path)
 
 
-# -- what changed is written fresh ------------------------------------------------------------------------------------
+# -- what changed is written fresh -------------------------------------------------------------------------------------
 class Mutate(pl.Callback):
     """Changes the frozen backbone after a given step, in the way the test names."""
 
@@ -309,7 +309,7 @@ def test_ort_saving_over_a_shared_file_fails_instead_of_damaging_the_others() ->
         shutil.rmtree(directory)
 
 
-# -- where sharing cannot happen ----------------------------------------------------------------------------------------
+# -- where sharing cannot happen ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("errno_", [errno.EXDEV, errno.EPERM])
 def test_no_hard_links_falls_back_to_whole_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   errno_: int) -> None:
@@ -357,16 +357,18 @@ def test_remote_paths_are_never_shared() -> None:
     assert sharing.FrozenSharing().snapshot(ck, "/tmp/run/a.ckpt", model) is not None
 
 
-# -- format level: bytes written, and kills -----------------------------------------------------------------------------
+# -- format level: bytes written, and kills ----------------------------------------------------------------------------
 def frozen_checkpoint(seed: int, frozen_seed: int = 0) -> Checkpoint:
+    """A fine-tuning state: a 1.5 MiB frozen backbone (from ``frozen_seed``), a head and its AdamW state."""
     g = torch.Generator().manual_seed(frozen_seed)
-    backbone = {"backbone.0.weight": torch.randn(512, 512, generator=g), "backbone.1.weight": torch.randn(256, 512,
-                                                                                                          generator=g)}
+    backbone = {"backbone.0.weight": torch.randn(512, 512, generator=g),
+                "backbone.1.weight": torch.randn(256, 512, generator=g)}
     h = torch.Generator().manual_seed(seed)
     head = torch.randn(3, 512, generator=h)
-    return Checkpoint(trainable={"head.weight": head}, frozen={**backbone, "bn.running_mean": torch.randn(8, generator=h)},
-                      optimizer_groups={"group0": OptimizerGroup(seed, 0.5, {"head.weight": {
-                          "momentum0": torch.randn(3, 512, generator=h), "momentum1": torch.rand(3, 512, generator=h)}})},
+    moments = {"momentum0": torch.randn(3, 512, generator=h), "momentum1": torch.rand(3, 512, generator=h)}
+    return Checkpoint(trainable={"head.weight": head},
+                      frozen={**backbone, "bn.running_mean": torch.randn(8, generator=h)},
+                      optimizer_groups={"group0": OptimizerGroup(seed, 0.5, {"head.weight": moments})},
                       properties={"tag": f"checkpoint-{seed}"})
 
 
@@ -445,7 +447,8 @@ from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format.shared import SharedFrozen
 directory, point, target = sys.argv[1], sys.argv[2], sys.argv[3]
 a, b = os.path.join(directory, "a.ckpt"), os.path.join(directory, "b.ckpt")
-first = save_checkpoint(frozen_checkpoint(1), a, shared=SharedFrozen({{"backbone.0.weight": -1, "backbone.1.weight": -1}}))
+names = {{"backbone.0.weight": -1, "backbone.1.weight": -1}}
+first = save_checkpoint(frozen_checkpoint(1), a, shared=SharedFrozen(names))
 save_checkpoint(frozen_checkpoint(2), b, shared=linked_spec(first, a + ".data"))
 for name in ("a.ckpt", "b.ckpt"):
     shutil.copyfile(os.path.join(directory, name), os.path.join(directory, name + ".ref"))
