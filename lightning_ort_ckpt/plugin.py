@@ -6,6 +6,9 @@ else goes to Lightning's ``TorchCheckpointIO``, so a run can switch formats midw
 ``pytorch_lightning`` Trainers, ``lightning_ort_ckpt.lightning.OrtCheckpointIO`` the one for ``lightning.pytorch``
 (a Trainer accepts only plugins of its own copy of Lightning); both are :class:`OrtCheckpointIOMixin`.
 
+Frozen tensors that did not change since the previous save to the same directory are not written again: the new
+file's ``.data`` is a hard link to the previous one's (``share_frozen``, on by default; see ``sharing``).
+
 A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
 optimizer state keyed by parameter name. The plugin asks the Lightning strategy it is bound to for the module and
 its optimizers (:meth:`OrtCheckpointIOMixin.bind`): ``OrtCheckpoint`` binds it in its ``setup``, and so does a small

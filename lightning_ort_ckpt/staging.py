@@ -16,6 +16,9 @@ returns. :class:`Stager` makes those copies with three rules:
   tensor is changed in place before its copy is done anyway (in-place edits outside ``optimizer.step``, seen by
   torch's version counter), the save fails loudly instead of writing a mix of two steps.
 
+Frozen parameters unchanged since the previous save call, which a save will most likely not write at all (their
+``.data`` is linked: see ``sharing``), are not copied: the plugin names them in ``keep``.
+
 A save that follows another with no optimizer step in between (``last.ckpt`` right after the top-k file of the
 same step) reuses the first save's copies of every tensor whose version is unchanged, instead of copying again.
 """

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
