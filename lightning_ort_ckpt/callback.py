@@ -84,6 +84,7 @@ class OrtCheckpointMixin:
         async_save: bool = False,
         external_data: ExternalData = "auto",
         ort_compatible: bool = False,
+        share_frozen: bool | Literal["verified"] = True,
         export_best_to: str | os.PathLike[str] | None = None,
         export_tolerance: float = 1e-5,
         storage_options: StorageOptions | None = None,
@@ -115,6 +116,7 @@ class OrtCheckpointMixin:
         self.async_save = async_save
         self.external_data = external_data
         self.ort_compatible = ort_compatible
+        self.share_frozen = share_frozen
         self.export_best_to = export_best_to
         self.export_tolerance = export_tolerance
         self.storage_options = storage_options
@@ -157,15 +159,15 @@ class OrtCheckpointMixin:
         io = lightning_compat.raw_checkpoint_io(trainer.strategy)
         if isinstance(io, OrtCheckpointIOMixin):
             self._io = io
-            mine = (self.external_data, self.ort_compatible, self.async_save, self.storage_options)
-            if (mine != ("auto", False, False, None)
-                    and mine != (io.external_data, io.ort_compatible, io.async_save, io.storage_options)):
+            mine = (self.external_data, self.ort_compatible, self.async_save, self.share_frozen, self.storage_options)
+            theirs = (io.external_data, io.ort_compatible, io.async_save, io.share_frozen, io.storage_options)
+            if mine != ("auto", False, False, True, None) and mine != theirs:
                 warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible, "
-                              "async_save and storage_options apply, not those given to OrtCheckpoint",
+                              "async_save, share_frozen and storage_options apply, not those given to OrtCheckpoint",
                               CheckpointWarning, stacklevel=2)
         elif io is None or type(io) in {ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in loaded()}:
             self._io = plugin_class_for(ns)(self.external_data, self.ort_compatible, self.async_save,
-                                            self.storage_options)
+                                            share_frozen=self.share_frozen, storage_options=self.storage_options)
             trainer.strategy.checkpoint_io = self._io
         else:
             raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "

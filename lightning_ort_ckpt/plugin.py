@@ -6,6 +6,9 @@ else goes to Lightning's ``TorchCheckpointIO``, so a run can switch formats midw
 ``pytorch_lightning`` Trainers, ``lightning_ort_ckpt.lightning.OrtCheckpointIO`` the one for ``lightning.pytorch``
 (a Trainer accepts only plugins of its own copy of Lightning); both are :class:`OrtCheckpointIOMixin`.
 
+Frozen tensors that did not change since the previous save to the same directory are not written again: the new
+file's ``.data`` is a hard link to the previous one's (``share_frozen``, on by default; see ``sharing``).
+
 A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
 optimizer state keyed by parameter name. The plugin asks the Lightning strategy it is bound to for the module and
 its optimizers (:meth:`OrtCheckpointIOMixin.bind`): ``OrtCheckpoint`` binds it in its ``setup``, and so does a small
@@ -33,14 +36,14 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from . import lightning_compat, rng, staging
+from . import lightning_compat, rng, sharing, staging
 from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
 from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, load_checkpoint, storage
 from .format.diskio import open_regular
@@ -65,23 +68,34 @@ class OrtCheckpointIOMixin:
         ort_compatible: store float16/bfloat16/float8 tensors as float32, which ORT 1.19.2 can load (it cannot load
             the narrow types). Lossless for Lightning: the original dtypes are recorded and restored.
         async_save: write in the background; training goes on once the tensors are copied off its memory.
+        share_frozen: frozen tensors (``requires_grad=False`` parameters, buffers) that did not change since the
+            previous save to the same local directory are not written again: the new file's ``.data`` is a hard
+            link to the previous one's (see ``sharing``). Only with ``external_data="auto"``, and never for URLs. On
+            by default; ``"verified"`` also hashes the shared frozen parameters at every save (a write through
+            ``.data`` is caught; costs a read of them per save), ``False`` turns sharing off.
         storage_options: fsspec's options for checkpoint URLs (``s3://...``; credentials, ``client_kwargs``...),
             see ``format.storage``; a ``storage_options`` Lightning passes to a save is merged over them.
     """
 
     def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False,
-                 async_save: bool = False, storage_options: StorageOptions | None = None) -> None:
+                 async_save: bool = False, share_frozen: bool | Literal["verified"] = True,
+                 storage_options: StorageOptions | None = None) -> None:
+        if share_frozen not in (True, False, "verified"):
+            raise ValueError(f'share_frozen must be True, False or "verified", got {share_frozen!r}')
         self.external_data = external_data
         self.ort_compatible = ort_compatible
         self.async_save = async_save
+        self.share_frozen = share_frozen
         self.storage_options = storage_options
+        self._sharing = sharing.FrozenSharing(verify_parameters=share_frozen == "verified")
         self._worker: _Worker | None = None
         self._stager = staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only (a spawn launcher pickles the Trainer): no thread, buffers or owner."""
-        return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None}
+        return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None,
+                "_sharing": sharing.FrozenSharing(self.share_frozen == "verified")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -100,13 +114,22 @@ class OrtCheckpointIOMixin:
                           "parameters from buffers; all are saved as frozen and optimizer state by index. Lightning "
                           "resumes it exactly; ORT can load it but not train from it.", CheckpointWarning, stacklevel=2)
         ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=self.ort_compatible)
+        module = strategy.lightning_module if info is not None else None
+        snap = (self._sharing.snapshot(ck, path, module)
+                if self.share_frozen and self.external_data == "auto" and module is not None else None)
         if self.async_save:
-            module = strategy.lightning_module if info is not None else None
+            keep = snap.keep if snap is not None else set()
             staged, copy_later = self._stager.stage(
                 ck, path, staging.optimizer_tensors(strategy.optimizers if module is not None else []),
-                module.state_dict(keep_vars=True).values() if module is not None else [], self.wait)
+                module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, keep)
             self._run_later(copy_later)
-            self._run_later(storage.save, staged, path, external_data=self.external_data, storage_options=options)
+            if snap is not None:
+                self._run_later(self._sharing.save, staged, path, snap, self.external_data, keep)
+            else:
+                self._run_later(storage.save, staged, path, external_data=self.external_data,
+                                storage_options=options)
+        elif snap is not None:
+            self._sharing.save(ck, path, snap, self.external_data)
         else:
             storage.save(ck, path, external_data=self.external_data, storage_options=options)
 

@@ -16,6 +16,9 @@ returns. :class:`Stager` makes those copies with three rules:
   tensor is changed in place before its copy is done anyway (in-place edits outside ``optimizer.step``, seen by
   torch's version counter), the save fails loudly instead of writing a mix of two steps.
 
+Frozen parameters unchanged since the previous save call, which a save will most likely not write at all (their
+``.data`` is linked: see ``sharing``), are not copied: the plugin names them in ``keep``.
+
 A save that follows another with no optimizer step in between (``last.ckpt`` right after the top-k file of the
 same step) reuses the first save's copies of every tensor whose version is unchanged, instead of copying again.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,14 +131,16 @@ class Stager:
         self._sources: dict[str, tuple[torch.Tensor, int, int]] = {}
 
     def stage(self, ck: Checkpoint, path: str, deferrable: Iterable[torch.Tensor], live: Iterable[torch.Tensor],
-              wait_for_buffers: Callable[[], None]) -> tuple[Checkpoint, _Copy]:
+              wait_for_buffers: Callable[[], None], keep: Collection[str] = ()) -> tuple[Checkpoint, _Copy]:
         """``ck`` with every tensor replaced by a buffer of its own.
 
         Tensors that share memory with ``deferrable`` (parameters the optimizers hold, and their state) are copied
         by the returned job (run it on the writer thread, before the write); all others now. A tensor of ``live``
         (the module's parameters and buffers, and ``deferrable``) unchanged since the previous save, with no
         optimizer step since, reuses that save's copy. ``wait_for_buffers`` is called before the first copy into
-        memory that an earlier save may still be writing from: a save that reuses every copy waits for nothing."""
+        memory that an earlier save may still be writing from: a save that reuses every copy waits for nothing.
+        Frozen tensors named in ``keep`` stay the live ones, uncopied (``sharing``: unchanged frozen tensors that the
+        save will most likely not write at all)."""
         _install_hook()
         defer = {t.data_ptr() for t in deferrable if t.device.type == "cpu"}
         live_memory = defer | {t.data_ptr() for t in live}
@@ -170,7 +175,7 @@ class Stager:
 
         staged = Checkpoint(
             trainable={n: copy_(n, t) for n, t in ck.trainable.items()},
-            frozen={n: copy_(n, t) for n, t in ck.frozen.items()},
+            frozen={n: t if n in keep else copy_(n, t) for n, t in ck.frozen.items()},
             optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
                                                 {p: {m: copy_(f"{g}/{p}/{m}", t) for m, t in ms.items()}
                                                  for p, ms in grp.states.items()})

@@ -115,9 +115,10 @@ IO: OrtCheckpointIO | None = None
 
 
 def fit_recording(dirpath: Path, async_save: bool) -> None:
-    """``fit`` with a 64 MB frozen backbone and the plugin kept in ``IO`` for the child's queue watcher."""
+    """``fit`` with a 64 MB frozen backbone and the plugin kept in ``IO`` for the child's queue watcher; every tensor
+    is staged (``share_frozen=False``: sharing would leave the unchanged backbone uncopied)."""
     global IO
-    IO = OrtCheckpointIO(async_save=async_save)
+    IO = OrtCheckpointIO(async_save=async_save, share_frozen=False)
     pl.seed_everything(0, verbose=False)
     callback = OrtCheckpoint(dirpath, every_n_train_steps=1, keep_newest=2)
     trainer = pl.Trainer(max_steps=16, callbacks=[callback], plugins=[IO], accelerator="cpu", devices=1,

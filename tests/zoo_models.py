@@ -1,4 +1,5 @@
-"""The conformance zoo's models: realistic LightningModule shapes, each a few thousand parameters at most.
+"""The conformance zoo's models: realistic LightningModule shapes, each a few thousand parameters at most (one, the
+frozen backbone, has the megabyte of frozen weights that frozen-tensor sharing needs to engage).
 
 Adding a model shape is one :class:`Entry` in :data:`ZOO`: a LightningModule subclass of :class:`ZooModule` (its
 ``forward`` gives class logits, trained with cross-entropy, which is also the loss of ORT's training artifacts), how to
@@ -97,6 +98,26 @@ class HeadOnly(ZooModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.head.parameters(), lr=0.01, eps=1e-6)
+
+
+class FrozenBackbone(ZooModule):
+    """Fine-tuning a frozen backbone: two frozen Linear layers (the second 1.25 MiB, enough for frozen-tensor
+    sharing), a BatchNorm whose running statistics still move in training, and a small trainable head; AdamW."""
+
+    def __init__(self, width: int = 1280) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.backbone = nn.Sequential(nn.Linear(6, 256), nn.ReLU(), nn.Linear(256, width))
+        self.backbone.requires_grad_(False)
+        self.bn = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, 3)
+        self.example_input_array = torch.randn(2, 6, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.backbone(x))))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01, eps=1e-6)
 
 
 class ParamContainers(ZooModule):
@@ -260,6 +281,8 @@ ZOO = [
           trained_by_ort=("conv.weight", "bn.running_mean"), unchanged=("stem.weight", "stem.bias"), adam_like=False),
     Entry("head_only", HeadOnly, features(6), 3, trained_by_ort=("head.weight",),
           unchanged=("backbone.weight", "backbone.bias", "temperature")),
+    Entry("frozen_backbone", FrozenBackbone, features(6), 3, trained_by_ort=("head.weight", "bn.running_mean"),
+          unchanged=("backbone.2.weight", "backbone.0.bias")),
     Entry("param_containers", ParamContainers, features(6), 3, trained_by_ort=("weights.0", "biases.out"),
           adam_like=False),
     Entry("bf16_mlp", Bf16Mlp, features(6), 3, trained_by_ort=("fc1.weight",), plugin={"ort_compatible": True},

@@ -39,6 +39,7 @@ from typing import BinaryIO
 
 from ..errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from .platform import portable_io
+from .shared import Identity, link_into
 
 try:
     import fcntl
@@ -101,13 +102,17 @@ class SaveFiles:
 
     main: BinaryIO
     data: BinaryIO | None
+    linked: bool = False  # the .data temporary is a hard link to an existing file (see ``shared``): write nothing
 
 
 @contextlib.contextmanager
-def atomic_save(path: str, *, with_data: bool, required_bytes: int) -> Iterator[SaveFiles]:
+def atomic_save(path: str, *, with_data: bool, required_bytes: int,
+                link_data: tuple[str, Identity] | None = None) -> Iterator[SaveFiles]:
     """Yield temporary files to write; on a clean exit make them durable and move them to ``path``.
 
-    On any exception before the commit the temporary files are removed and whatever was at ``path`` stays as it was.
+    ``link_data`` (a ``.data`` file and the inode it must be): the new ``.data`` is a hard link to it instead of a
+    file to write, when that link can be made (``SaveFiles.linked``). On any exception before the commit the
+    temporary files are removed and whatever was at ``path`` stays as it was.
     """
     target = os.path.abspath(path)
     directory = os.path.dirname(target)
@@ -124,9 +129,10 @@ def atomic_save(path: str, *, with_data: bool, required_bytes: int) -> Iterator[
     opened: list[BinaryIO] = []
     try:
         opened.append(open(tmp_main, "xb", buffering=0))
-        if tmp_data is not None:
+        linked = tmp_data is not None and link_data is not None and link_into(*link_data, tmp_data)
+        if tmp_data is not None and not linked:
             opened.append(open(tmp_data, "xb", buffering=0))
-        yield SaveFiles(opened[0], opened[1] if tmp_data else None)
+        yield SaveFiles(opened[0], opened[1] if len(opened) > 1 else None, linked)
         for f in opened:
             os.fsync(f.fileno())
             f.close()
@@ -193,7 +199,7 @@ def _commit(path: str, tmp_main: str, tmp_data: str | None, lock: _WriterLock) -
             raise
         try:
             retired += _retire(data_path(path))
-            os.replace(tmp_data, data_path(path))
+            _replace(tmp_data, data_path(path))
             retired += _retire(path)
             os.replace(tmp_main, path)
             lock.fsync()
@@ -205,6 +211,14 @@ def _commit(path: str, tmp_main: str, tmp_data: str | None, lock: _WriterLock) -
     finally:
         for trash in retired:
             _UNLINKER.put(trash)
+
+
+def _replace(source: str, target: str) -> None:
+    """``os.replace``, also where both are names of one inode (a ``.data`` linked to the one it replaces): POSIX
+    rename then does nothing, so the temporary name is removed here."""
+    os.replace(source, target)
+    if os.path.lexists(source):
+        os.unlink(source)
 
 
 def _write_durably(path: str, data: bytes, lock: _WriterLock) -> None:
@@ -399,7 +413,7 @@ def _recover_locked(path: str, lock: _WriterLock) -> bool:
                 _discard(tmp_data)
             else:
                 retired += _retire(data_path(path))
-                os.replace(tmp_data, data_path(path))
+                _replace(tmp_data, data_path(path))
         if os.path.lexists(tmp_main):
             retired += _retire(path)
             os.replace(tmp_main, path)

@@ -13,6 +13,7 @@ groups, parameters and momentums sorted, properties sorted across the bag, then 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -33,6 +34,7 @@ from .diskio import BEHIND_BYTES, WriteBehind
 from .dtypes import DataType, from_numpy, from_torch
 from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from .platform import portable_io
+from .shared import NotShared, SavedData, SharedFrozen, identity
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -46,7 +48,8 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
-                    external_data: ExternalData = "auto", checksums: bool = True) -> None:
+                    external_data: ExternalData = "auto", checksums: bool = True,
+                    shared: SharedFrozen | None = None) -> SavedData | None:
     """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data).
 
     ``external_data``: ``"auto"`` keeps everything in one file unless it would pass the FlatBuffers 2 GiB limit, then
@@ -57,19 +60,42 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
     ``checksums`` (the default) records a checksum of every tensor's bytes, computed as they are written, in the
     string property ``lightning_ort_ckpt.checksums`` (see ``checksums``); loads verify them. ``False`` writes exactly
     what ORT would write for the same state.
+
+    ``shared`` (with ``external_data="auto"``): the frozen tensors it names go to a ``.data`` file that later saves
+    can share, or that is a hard link to an earlier save's (see ``shared``; :class:`shared.NotShared` when that link
+    cannot be made or a linked tensor's bytes changed: nothing is committed); everything else stays inline. What was
+    put there is returned, or None where the file would pass 2 GiB that way and was written as ``"auto"`` writes it.
     """
     path = os.fspath(path)
+    if shared is not None and external_data == "auto":
+        try:
+            return _save(checkpoint, path, "auto", checksums, shared)
+        except _SharedTooLarge:
+            pass
+    _save(checkpoint, path, external_data, checksums, None)
+    return None
+
+
+def _save(checkpoint: Checkpoint, path: str, external_data: ExternalData, checksums: bool,
+          shared: SharedFrozen | None) -> SavedData | None:
     tensors = _Tensors(path)
-    plan = _plan_for_mode(checkpoint, tensors, external_data, path, checksums)
+    plan = _plan_for_mode(checkpoint, tensors, external_data, path, checksums, shared)
+    link = (shared.link_from, shared.identity) if shared is not None and shared.link_from is not None else None
     try:
-        with atomic.atomic_save(path, with_data=plan.data_size is not None,
+        with atomic.atomic_save(path, with_data=plan.data_size is not None, link_data=link,  # type: ignore[arg-type]
                                 required_bytes=plan.size + (plan.data_size or 0)) as files:
+            if link is not None and not files.linked:  # no link here (another file system): nothing written yet
+                raise NotShared(path, [])
             with _Hashing(tensors, plan.checksums is not None) as hashing:
+                for key in _to_verify(shared, plan, tensors) if plan.checksums is not None else ():
+                    hashing.feed(key)  # on the helper thread, while the main file is written
                 written = _stream(files.main, plan.pieces, tensors, hashing)
                 if files.data is not None:
                     _stream_external(files.data, plan.external, tensors, hashing)
+            digests = hashing.digests() if plan.checksums is not None else {}
+            saved = _check_shared(shared, plan, tensors, files, digests, path) if shared is not None else None
             if plan.checksums is not None:
-                _write_at(files.main, hashing.record_offset, plan.checksums.fill(hashing.digests()))
+                _write_at(files.main, hashing.record_offset, plan.checksums.fill(digests))
     except CheckpointSaveError:
         raise
     except OSError as e:
@@ -77,6 +103,48 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
                                   "is unchanged", path) from e
     if written != plan.size:  # pragma: no cover - planner and streamer disagree: a bug, never silently written
         raise CheckpointSaveError(f"internal error: planned {plan.size} bytes, wrote {written}", path)
+    return saved
+
+
+def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: atomic.SaveFiles,
+                  digests: dict[str, int], path: str) -> SavedData:
+    """What the save put in ``.data``, once the linked tensors are confirmed to hold the linked bytes (``digests``,
+    the hashes just computed, get the recorded ones of tensors that changed only after the save was asked for)."""
+    changed = []
+    verified = set(_to_verify(shared, plan, tensors))
+    for key in plan.linked:
+        name, ck_key = tensors.entries[key].name, tensors.entries[key].checksum_key
+        if key not in verified and ck_key in digests:
+            digests[ck_key] = shared.digests[ck_key]  # type: ignore[index]
+        elif ck_key in digests and digests[ck_key] != shared.digests.get(ck_key):  # type: ignore[arg-type]
+            if shared.changed_since_asked is None or not shared.changed_since_asked(name):
+                changed.append(name)
+            digests[ck_key] = shared.digests[ck_key]  # type: ignore[index]
+    if changed:
+        raise NotShared(path, changed)
+    if files.data is not None:
+        _read_only(files.data)
+    inode = shared.identity if files.linked else identity(os.fstat(files.data.fileno()))  # type: ignore[union-attr]
+    keys = [_checksums.param_key(n) for n in plan.offsets]
+    return SavedData(files.linked, inode, plan.offsets, {k: digests[k] for k in keys if k in digests})
+
+
+def _to_verify(shared: SharedFrozen | None, plan: _Plan, tensors: _Tensors) -> list[int]:
+    """The linked tensors to hash again: all but those the caller trusts and whose digest was recorded."""
+    if shared is None:
+        return []
+    return [k for k in plan.linked if tensors.entries[k].name not in shared.trusted
+            or tensors.entries[k].checksum_key not in shared.digests]
+
+
+class _SharedTooLarge(Exception):
+    """Keeping everything but the shared frozen tensors inline would pass 2 GiB."""
+
+
+def _read_only(f: BinaryIO) -> None:
+    """A shared ``.data`` is never written again: see ``shared`` (a no-op where modes cannot be set)."""
+    with contextlib.suppress(OSError, NotImplementedError, AttributeError):
+        os.fchmod(f.fileno(), 0o444)
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
@@ -185,13 +253,22 @@ class _Plan:
     external: list[tuple[int, int]]  # (padding before the blob, blob key), in .data file order
     data_size: int | None
     checksums: _checksums.Template | None
+    linked: list[int]  # blob keys of the tensors in a linked .data (not streamed)
+    offsets: dict[str, int]  # shared frozen tensor -> its offset in .data
 
 
-def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: str, checksums: bool = True) -> _Plan:
+def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: str, checksums: bool = True,
+                   shared: SharedFrozen | None = None) -> _Plan:
     choices = {"never": [(False, False)], "params": [(True, False)], "all": [(True, True)],
                "auto": [(False, False), (True, False), (True, True)]}
     if mode not in choices:
         raise CheckpointSaveError(f"external_data must be one of {sorted(choices)}, not {mode!r}", path)
+    if shared is not None:
+        tensors.entries.clear()
+        try:
+            return _Planner(tensors, False, False, checksums, shared).plan(ck)
+        except LayoutTooLarge:
+            raise _SharedTooLarge from None
     for params_out, momentums_out in choices[mode]:
         tensors.entries.clear()
         try:
@@ -204,8 +281,12 @@ def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: 
 
 
 class _Planner:
-    def __init__(self, tensors: _Tensors, params_out: bool, momentums_out: bool, checksums: bool) -> None:
+    def __init__(self, tensors: _Tensors, params_out: bool, momentums_out: bool, checksums: bool,
+                 shared: SharedFrozen | None = None) -> None:
         self.b = LayoutBuilder()
+        self.shared = shared
+        self.linked: list[int] = []
+        self.offsets: dict[str, int] = {}
         self.checksums = checksums
         self.template: _checksums.Template | None = None
         self.tensors = tensors
@@ -239,8 +320,8 @@ class _Planner:
         b.add_offset(CheckpointSlot.OPTIMIZER_GROUPS, groups_vec)
         b.add_offset(CheckpointSlot.PROPERTY_BAG, bag)
         pieces = b.finish(b.end_table(), FILE_IDENTIFIER)
-        data_size = self.data_pos if self.params_out or self.momentums_out else None
-        return _Plan(pieces, b.size, self.external, data_size, self.template)
+        data_size = self.data_pos if self.params_out or self.momentums_out or self.shared is not None else None
+        return _Plan(pieces, b.size, self.external, data_size, self.template, self.linked, self.offsets)
 
     def _tensor(self, name: str, tensor: Tensor, what: str, external: bool, checksum_key: str,
                 nominal: bool = False) -> int:
@@ -261,10 +342,16 @@ class _Planner:
         if e.strings is not None:
             b.add_offset(TensorSlot.STRING_DATA, data_off)
         elif external and not nominal:
-            pad = -self.data_pos % e.dtype.external_alignment
-            self.external.append((pad, key))
-            offset = self.data_pos + pad
-            self.data_pos = offset + e.nbytes
+            offset = self.shared.names.get(name, -1) if self.shared is not None else -1
+            if offset >= 0:  # in a linked .data already
+                self.linked.append(key)
+            else:
+                pad = -self.data_pos % e.dtype.external_alignment
+                self.external.append((pad, key))
+                offset = self.data_pos + pad
+                self.data_pos = offset + e.nbytes
+            if self.shared is not None:
+                self.offsets[name] = offset
             b.add_scalar(TensorSlot.EXTERNAL_DATA_OFFSET, "q", offset, EXTERNAL_DATA_OFFSET_DEFAULT)
         else:
             b.add_offset(TensorSlot.RAW_DATA, data_off)
@@ -274,14 +361,16 @@ class _Planner:
         b = self.b
         trainable = [self._tensor(n, ck.trainable[n], "trainable parameter", self.params_out,
                                   _checksums.param_key(n), ck.nominal) for n in _sorted(ck.trainable)]
-        frozen = [self._tensor(n, ck.frozen[n], "frozen parameter", self.params_out, _checksums.param_key(n),
-                               ck.nominal) for n in _sorted(ck.frozen)]
+        shared = self.shared.names if self.shared is not None else {}
+        frozen = [self._tensor(n, ck.frozen[n], "frozen parameter", self.params_out or n in shared,
+                               _checksums.param_key(n), ck.nominal) for n in _sorted(ck.frozen)]
         trainable_vec, frozen_vec = b.offset_vector(trainable), b.offset_vector(frozen)
         b.start_table()
         b.add_offset(ModuleStateSlot.REQUIRES_GRAD_PARAMS, trainable_vec)
         b.add_offset(ModuleStateSlot.FROZEN_PARAMS, frozen_vec)
         b.add_scalar(ModuleStateSlot.IS_NOMINAL_STATE, "?", ck.nominal, False)
-        b.add_scalar(ModuleStateSlot.HAS_EXTERNAL_DATA, "?", self.params_out or self.momentums_out, False)
+        b.add_scalar(ModuleStateSlot.HAS_EXTERNAL_DATA, "?",
+                     self.params_out or self.momentums_out or self.shared is not None, False)
         return b.end_table()
 
     def _group(self, group_name: str, group: OptimizerGroup) -> int:
@@ -446,6 +535,12 @@ class _Hashing:
             return
         self._queued.add(id(h))
         self._queue.put((h, data))  # type: ignore[union-attr]  # one thread: a tensor's updates stay in order
+
+    def feed(self, key: int) -> None:
+        """Hash tensor ``key`` without writing it (a tensor of a linked ``.data``: confirms it is unchanged)."""
+        h = self.start(key)
+        for chunk in self.tensors.chunks(key):
+            self.update(h, chunk)
 
     def digests(self) -> dict[str, int]:
         if self._queue is not None:
