@@ -42,7 +42,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import lightning_compat, rng, staging
 from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
-from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, save_checkpoint
+from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, atomic, load_checkpoint, open_checkpoint, save_checkpoint
 from .format.diskio import open_regular
 from .format.schema import FILE_IDENTIFIER
 from .format.writer import ExternalData
@@ -228,18 +228,24 @@ def is_ort_checkpoint(path: str | os.PathLike[str]) -> bool:
     return head[4:8] == FILE_IDENTIFIER
 
 
-def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None) -> dict[str, Any]:
+def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None, *,
+                              optimizer_states: bool = True) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file, whether Lightning or ORT alone wrote it.
 
     A file ORT alone wrote carries no loop progress and no optimizer hyperparameters: with the ``strategy`` of the
     run that resumes it, loop progress is set to ORT's optimizer step and ``optimizer_states`` is built from ORT's
     moments and the live optimizers, and the module's tied parameters get their other names back (ORT stores a tied
-    tensor once); without one the dict holds the weights only.
+    tensor once); without one the dict holds the weights only. ``optimizer_states=False`` reads the module's tensors
+    only, lazily (views of the mapped file, verified as they are read), and leaves ``optimizer_states`` out.
     """
     path = os.fspath(path)
-    ck = load_checkpoint(path)
+    if optimizer_states:
+        ck = load_checkpoint(path)
+    else:
+        with open_checkpoint(path, verify=True) as reader:
+            ck = reader.module_state()
     if MANIFEST in ck.properties:
-        return from_ort(ck, path)
+        return from_ort(ck, path, optimizer_states=optimizer_states)
     version = (namespace_of(strategy) if strategy is not None else loaded()[0]).version
     checkpoint = plain_ort_to_lightning(ck, version)
     step = checkpoint["global_step"]
@@ -291,11 +297,26 @@ class _OptimizerStatesFromOrt(Sequence):
 
 def read_any_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file or of a torch ``.ckpt`` (Lightning's own format, loaded with
-    ``weights_only=True``: no code in it runs), for export and artifacts."""
+    ``weights_only=True``: no code in it runs), for artifacts."""
     if is_ort_checkpoint(path):
         return read_lightning_checkpoint(path)
+    return _read_torch_checkpoint(path, mmap=False)
+
+
+def read_weights(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """As :func:`read_any_checkpoint`, without ``optimizer_states``, for export: reads the module's tensors once,
+    lazily, and none of the optimizer's (an ORT file's tensors are views of the mapped file, verified as they are
+    read; a torch file is memory-mapped, ``torch.load(mmap=True)``)."""
+    if is_ort_checkpoint(path):
+        return read_lightning_checkpoint(path, optimizer_states=False)
+    checkpoint = _read_torch_checkpoint(path, mmap=True)
+    checkpoint.pop("optimizer_states", None)
+    return checkpoint
+
+
+def _read_torch_checkpoint(path: str | os.PathLike[str], mmap: bool) -> dict[str, Any]:
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - torch raises many types for foreign or damaged files
         raise CorruptCheckpointError(f"neither an ORT checkpoint nor a torch checkpoint that loads with "
                                      f"weights_only=True ({type(e).__name__}: {e})", os.fspath(path)) from None
