@@ -1,10 +1,10 @@
 """Deployment export: an ONNX inference model from a checkpoint, checked against ONNX Runtime before it is kept.
 
 :func:`export_onnx` reads a checkpoint's weights (ORT or torch) once, lazily and without the optimizer state, into
-your LightningModule, exports it with
-``torch.onnx.export``, runs the result in ``onnxruntime.InferenceSession`` on the example input next to the torch
-module, and keeps the file only when the largest absolute difference is within the tolerance. The model's
-``metadata_props`` record where it came from: the checkpoint, its global step and its monitored score.
+your LightningModule, exports it with ``torch.onnx.export``, runs the result in ``onnxruntime.InferenceSession`` on
+the example input next to the torch module, and keeps the file only when the largest absolute difference is within
+the tolerance. The model's ``metadata_props`` record where it came from: the checkpoint, its global step and its
+monitored score.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointError
 from . import lightning_compat
+from .errors import CheckpointError
 from .format import atomic
 from .plugin import read_weights
 from .translation.lightning import with_aliases

@@ -5,9 +5,9 @@ identifier, the version, that every offset and length is inside the file, that d
 ``numel x itemsize`` equals the stored length (Python integers: no overflow), and that an external ``.data`` file is
 present and long enough. Any fault raises :class:`CorruptCheckpointError` naming the file and the fault; nothing is
 allocated from a size the file claims before that size is checked against the file. Tensor bytes are touched only
-when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads; a full load (:meth:`~CheckpointReader.load`)
-reads each tensor into memory of its own. Files written by this library record
-a checksum of every tensor (``checksums``): a full load verifies them all, the lazy reader on request.
+when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads; a full load (:meth:`load
+<CheckpointReader.load>`) reads each tensor into memory of its own. Files written by this library record a checksum
+of every tensor (``checksums``): a full load verifies them all, the lazy reader on request.
 
 torch is imported only when tensors are requested; metadata and numpy access work without it.
 """
