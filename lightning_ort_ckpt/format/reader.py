@@ -249,11 +249,13 @@ class CheckpointReader:
             properties=dict(self.properties), nominal=self.nominal)
 
     def module_state(self) -> Checkpoint:
-        """The parameters, buffers and properties, without the optimizer state, as zero-copy views of the mapped
-        file (each checked against its checksum as it is read when the reader verifies): what an export needs, at
-        the cost of the module's bytes only; none of the optimizer's bytes are read."""
+        """The parameters, buffers and properties, and the optimizer groups without their tensors, as zero-copy
+        views of the mapped file (each checked against its checksum as it is read when the reader verifies): what an
+        export needs, at the cost of the module's bytes only; none of the optimizer's bytes are read."""
         return Checkpoint(trainable={n: self.torch(i) for n, i in self.trainable.items()},
                           frozen={n: self.torch(i) for n, i in self.frozen.items()},
+                          optimizer_groups={g.name: OptimizerGroup(g.step, g.initial_learning_rate)
+                                            for g in self.optimizer_groups.values()},
                           properties=dict(self.properties), nominal=self.nominal)
 
     @staticmethod
