@@ -82,6 +82,7 @@ class CheckpointReader:
         self._own: dict[int, np.ndarray] = {}  # tensor bytes read by load(), each in memory of its own
         self._fd = -1
         self._data_mm: Any = None
+        self._mapping = threading.Lock()
         self._data: Any = None  # the .data file opened with the checkpoint, as one consistent pair
         try:
             fd, data_fd = atomic.open_pair(self.path)  # changes nothing on disk, even mid-commit
@@ -494,14 +495,15 @@ class CheckpointReader:
     def _map_for(self, info: TensorInfo) -> Any:
         if info.storage == "inline":
             return self._mm
-        if self._data_mm is None:
-            needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
-            with self._data if self._data is not None else os.fdopen(
-                    open_regular(self.data_path, "external data", self.path), "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size < needed:
-                    raise self._fail(f"its external data file {self.data_path} shrank while it was open")
-                self._data_mm = _map(f.fileno(), needed, self.path)
-            self._data = None
+        with self._mapping:  # verify() asks from two threads
+            if self._data_mm is None:
+                needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
+                with self._data if self._data is not None else os.fdopen(
+                        open_regular(self.data_path, "external data", self.path), "rb", buffering=0) as f:
+                    if os.fstat(f.fileno()).st_size < needed:
+                        raise self._fail(f"its external data file {self.data_path} shrank while it was open")
+                    self._data_mm = _map(f.fileno(), needed, self.path)
+                self._data = None
         return self._data_mm
 
     def _data_fd(self) -> int:
