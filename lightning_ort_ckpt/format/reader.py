@@ -228,9 +228,14 @@ class CheckpointReader:
         moments torch keeps after a resume do not keep the parameters' bytes with them). With ``verify`` every
         tensor is checked against its recorded checksum before any is handed out.
         """
+        stored = sorted((i for i in self.tensors() if i.storage in ("inline", "external")),
+                        key=lambda i: (i.storage, i.offset))
+        for before, info in zip(stored, stored[1:]):  # each is read into memory of its own: never one byte twice
+            if info.storage == before.storage and info.offset < before.offset + before.nbytes:
+                raise self._fail(f"{info.kind} tensor {info.name!r} shares bytes with {before.kind} tensor "
+                                 f"{before.name!r}; no checkpoint is written that way: it is damaged")
         try:
-            for info in sorted((i for i in self.tensors() if i.storage in ("inline", "external")),
-                               key=lambda i: (i.storage, i.offset)):
+            for info in stored:
                 self._own[id(info)] = (read_range(self._fd, info.offset, info.nbytes, self.path)
                                        if info.storage == "inline"
                                        else read_range(self._data_fd(), info.offset, info.nbytes, self.data_path))
