@@ -1,9 +1,10 @@
 """Deployment export: an ONNX inference model from a checkpoint, checked against ONNX Runtime before it is kept.
 
-:func:`export_onnx` loads a checkpoint (ORT or torch) into your LightningModule, exports it with
-``torch.onnx.export``, runs the result in ``onnxruntime.InferenceSession`` on the example input next to the torch
-module, and keeps the file only when the largest absolute difference is within the tolerance. The model's
-``metadata_props`` record where it came from: the checkpoint, its global step and its monitored score.
+:func:`export_onnx` reads a checkpoint's weights (ORT or torch) once, lazily and without the optimizer state, into
+your LightningModule, exports it with ``torch.onnx.export``, runs the result in ``onnxruntime.InferenceSession`` on
+the example input next to the torch module, and keeps the file only when the largest absolute difference is within
+the tolerance. The model's ``metadata_props`` record where it came from: the checkpoint, its global step and its
+monitored score.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import lightning_compat
 from .errors import CheckpointError
 from .format import atomic, storage
-from .plugin import read_any_checkpoint
+from .plugin import read_weights
 from .translation.lightning import with_aliases
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
@@ -73,8 +75,11 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
             ``tolerance`` (nothing is left at ``output`` then).
     """
     checkpoint, output = os.fspath(checkpoint), os.fspath(output)
-    state = read_any_checkpoint(checkpoint)
+    state = read_weights(checkpoint)
     module = _load_module(model, checkpoint, state)
+    monitor, score = _monitored_score(state)
+    global_step = state.get("global_step")
+    del state  # the weights are in the module: the file's pages are let go before the export needs memory
     module.eval()
     args = example_input if example_input is not None else getattr(module, "example_input_array", None)
     if args is None:
@@ -90,10 +95,9 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
                           checkpoint) from e
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     output_names = output_names or ([f"output{i}" for i in range(len(expected))] if len(expected) > 1 else ["output"])
-    monitor, score = _monitored_score(state)
     source = checkpoint if storage.is_remote(checkpoint) else os.path.abspath(checkpoint)
     metadata = {"lightning_ort_ckpt.source_checkpoint": source,
-                "lightning_ort_ckpt.global_step": str(state.get("global_step", "")),
+                "lightning_ort_ckpt.global_step": "" if global_step is None else str(global_step),
                 "lightning_ort_ckpt.monitor": monitor or "", "lightning_ort_ckpt.score": "" if score is None else repr(score)}
     nbytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
     external = nbytes > _EXTERNAL_DATA_THRESHOLD if external_data is None else external_data
@@ -110,7 +114,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
         if external:
             os.replace(atomic.data_path(staged), atomic.data_path(output))
         os.replace(staged, output)
-    return ExportReport(output, checkpoint, state.get("global_step"), monitor, score, diff, tolerance, external)
+    return ExportReport(output, checkpoint, global_step, monitor, score, diff, tolerance, external)
 
 
 def check_export_config(module: Any, tolerance: Any) -> None:
@@ -160,7 +164,8 @@ def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn
     if isinstance(model, type):
         if not hasattr(model, "load_from_checkpoint"):
             raise ExportError(f"{model.__name__} is not a LightningModule class; pass a module instance instead")
-        return model.load_from_checkpoint(checkpoint, map_location="cpu")
+        with lightning_compat.serving(checkpoint, state):  # what was read: the file is not read again
+            return model.load_from_checkpoint(checkpoint, map_location="cpu")
     model.load_state_dict(with_aliases(state["state_dict"], model))
     return model
 

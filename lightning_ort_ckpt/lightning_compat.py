@@ -16,11 +16,15 @@ Three kinds of use:
   and the main process of the spawn/fork launchers read the weights file its worker wrote with ``OrtCheckpointIO``
   (``_MultiProcessingLauncher`` reads it with the main process's ``TorchCheckpointIO``). ``import
   lightning_ort_ckpt`` installs it, in copies of Lightning already imported and, through an import hook, in those
-  imported later; installing twice is a no-op. This module imports neither torch nor Lightning.
+  imported later; installing twice is a no-op. Within :func:`serving` it hands back a checkpoint dict already read
+  instead of reading the file again (export reads the weights once, then builds the module with
+  ``load_from_checkpoint``). This module imports neither torch nor Lightning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import importlib.abc
 import importlib.machinery
@@ -29,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 # (module, attribute) of Lightning's torch loader, per copy of Lightning: what install_ort_loader wraps
@@ -53,6 +57,7 @@ MODEL_CHECKPOINT_PRIVATE = (
 ``_last_global_step_saved``, and replaces ``_fs`` to pass ``storage_options`` (:func:`set_checkpoint_filesystem`)."""
 
 _MARK = "reads_ort_checkpoints"
+_SERVED: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar("ort_ckpt_served", default=None)
 
 
 def raw_checkpoint_io(strategy: Any) -> Any:
@@ -111,6 +116,18 @@ def install_ort_loader() -> None:
         sys.meta_path.insert(0, _LoaderHook())
 
 
+@contextlib.contextmanager
+def serving(path: str | os.PathLike[str], checkpoint: Any) -> Iterator[None]:
+    """Within: Lightning's loader returns ``checkpoint`` for ``path`` instead of reading the file, so
+    ``load_from_checkpoint`` builds the module (hparams, ``on_load_checkpoint``, strict loading) from what the caller
+    has read already."""
+    token = _SERVED.set((os.path.abspath(os.fspath(path)), checkpoint))
+    try:
+        yield
+    finally:
+        _SERVED.reset(token)
+
+
 def _wrap(module: types.ModuleType, attr: str) -> None:
     original = getattr(module, attr, None)
     if original is not None and not getattr(original, _MARK, False):
@@ -121,6 +138,10 @@ def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
     def pl_load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         from .plugin import is_ort_checkpoint, load_ort_for_lightning  # torch and Lightning: loaded by now
 
+        served = _SERVED.get()
+        if (served is not None and isinstance(path_or_url, (str, os.PathLike))
+                and os.path.abspath(os.fspath(path_or_url)) == served[0]):
+            return served[1]
         if isinstance(path_or_url, (str, os.PathLike)):
             if not os.fspath(path_or_url).startswith(("http://", "https://")) and is_ort_checkpoint(path_or_url):
                 return load_ort_for_lightning(path_or_url, map_location)

@@ -45,7 +45,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import lightning_compat, rng, sharing, staging
 from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
-from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, load_checkpoint, storage
+from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint, storage
 from .format.diskio import open_regular
 from .format.schema import FILE_IDENTIFIER
 from .format.storage import StorageOptions
@@ -261,19 +261,25 @@ def is_ort_checkpoint(path: str | os.PathLike[str], storage_options: StorageOpti
 
 
 def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None,
-                              storage_options: StorageOptions | None = None) -> dict[str, Any]:
+                              storage_options: StorageOptions | None = None, *,
+                              optimizer_states: bool = True) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file, whether Lightning or ORT alone wrote it.
 
     A file ORT alone wrote carries no loop progress and no optimizer hyperparameters: with the ``strategy`` of the
     run that resumes it, loop progress is set to ORT's optimizer step and ``optimizer_states`` is built from ORT's
     moments and the live optimizers, and the module's tied parameters get their other names back (ORT stores a tied
-    tensor once); without one the dict holds the weights only.
+    tensor once); without one the dict holds the weights only. ``optimizer_states=False`` reads the module's tensors
+    only, lazily (views of the mapped file, verified as they are read), and leaves ``optimizer_states`` out.
     """
     path = os.fspath(path)
     with storage.fetched(path, storage_options) as local:
-        ck = load_checkpoint(local)
+        if optimizer_states:
+            ck = load_checkpoint(local)
+        else:
+            with open_checkpoint(local, verify=True) as reader:
+                ck = reader.module_state()
     if MANIFEST in ck.properties:
-        return from_ort(ck, path)
+        return from_ort(ck, path, optimizer_states=optimizer_states)
     version = (namespace_of(strategy) if strategy is not None else loaded()[0]).version
     checkpoint = plain_ort_to_lightning(ck, version)
     step = checkpoint["global_step"]
@@ -325,12 +331,28 @@ class _OptimizerStatesFromOrt(Sequence):
 
 def read_any_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file or of a torch ``.ckpt`` (Lightning's own format, loaded with
-    ``weights_only=True``: no code in it runs), for export and artifacts; ``path`` may be an fsspec URL."""
+    ``weights_only=True``: no code in it runs), for artifacts; ``path`` may be an fsspec URL."""
     if is_ort_checkpoint(path, storage_options):
         return read_lightning_checkpoint(path, storage_options=storage_options)
+    return _read_torch_checkpoint(path, storage_options, mmap=False)
+
+
+def read_weights(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> dict[str, Any]:
+    """As :func:`read_any_checkpoint`, without ``optimizer_states``, for export: reads the module's tensors once,
+    lazily, and none of the optimizer's (an ORT file's tensors are views of the mapped file, verified as they are
+    read; a torch file is memory-mapped, ``torch.load(mmap=True)``)."""
+    if is_ort_checkpoint(path, storage_options):
+        return read_lightning_checkpoint(path, storage_options=storage_options, optimizer_states=False)
+    checkpoint = _read_torch_checkpoint(path, storage_options, mmap=True)
+    checkpoint.pop("optimizer_states", None)
+    return checkpoint
+
+
+def _read_torch_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None,
+                           mmap: bool) -> dict[str, Any]:
     try:
         with storage.fetched(path, storage_options) as local:
-            checkpoint = torch.load(local, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(local, map_location="cpu", weights_only=True, mmap=mmap)
     except CheckpointError:  # a remote file that cannot be fetched: ours already, naming it
         raise
     except Exception as e:  # noqa: BLE001 - torch raises many types for foreign or damaged files

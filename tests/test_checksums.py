@@ -266,3 +266,18 @@ def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch)
         with pytest.raises(CorruptCheckpointError, match=re.escape(repr(key.split(":", 1)[1]))):
             load_checkpoint(path)
         path.write_bytes(original)
+
+
+def test_lazy_verify_on_two_threads_maps_the_data_file_once(tmp_path, monkeypatch):
+    """``verify()`` hashes on two threads, which both ask for the ``.data`` mapping at once: it must be made once
+    (made twice, the second thread used the file the first had closed: EBADF)."""
+    from lightning_ort_ckpt.format import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_PARALLEL_VERIFY_BYTES", 0)  # two threads whatever the size
+    g = torch.Generator().manual_seed(0)
+    trainable = {f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}
+    path = tmp_path / "external.ckpt"
+    save_checkpoint(Checkpoint(trainable=trainable), path, external_data="all")
+    for _ in range(20):
+        with open_checkpoint(path) as reader:
+            reader.verify()

@@ -1,5 +1,5 @@
-"""Whole-file reads: the page cache's part copied (and dropped), the rest read with direct I/O, the same bytes every
-way.
+"""Range reads (a whole file, or one tensor's bytes): the page cache's part copied (and dropped), the rest read with
+direct I/O, the same bytes every way.
 
 Files are random bytes of an odd size (not a multiple of any block), a few chunks long, so every path meets a
 partial last block. Page-cache residency is read with mincore.
@@ -59,7 +59,7 @@ def cached(path: str, offset: int) -> bool:
 def read(path: str, size: int = SIZE) -> np.ndarray:
     fd = os.open(path, os.O_RDONLY)
     try:
-        return diskio.read_whole(fd, size, path)
+        return diskio.read_range(fd, 0, size, path)
     finally:
         os.close(fd)
 
@@ -87,6 +87,23 @@ def test_warm_and_partly_cached_reads_are_exact_and_drop_what_they_copied(data_f
     assert cached(path, diskio._READ_CHUNK) and not any(cached(path, off) for off in MIDDLES)
     assert read(path).tobytes() == payload
     assert not cached(path, diskio._READ_CHUNK)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_ranges_at_odd_offsets_are_exact(data_file, warm):
+    """As a load reads tensors: ranges starting and ending mid-block, across chunks, small and large."""
+    path, payload = data_file
+    if not warm:
+        evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, size in ((4321, diskio._READ_CHUNK + 777), (diskio._READ_CHUNK - 5, 300_001), (SIZE - 100, 100),
+                            (8192, diskio._DIRECT_MIN)):
+            out = diskio.read_range(fd, start, size, path)
+            assert out.tobytes() == payload[start:start + size]
+            assert out.flags.writeable
+    finally:
+        os.close(fd)
 
 
 def test_falls_back_to_plain_reads_where_direct_io_is_refused(data_file, monkeypatch):

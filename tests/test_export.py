@@ -16,8 +16,11 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import OrtCheckpoint
+from lightning_ort_ckpt import CorruptCheckpointError, OrtCheckpoint, load_checkpoint, open_checkpoint
+from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.export import ExportError, export_onnx
+from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, save_checkpoint
+from lightning_ort_ckpt.plugin import read_weights
 
 MODULE = textwrap.dedent('''
     import torch
@@ -203,3 +206,31 @@ def test_misconfigured_export_best_to_stops_before_training(module, tolerance, m
     with pytest.raises(ExportError, match=message):
         trainer.fit(module, DataLoader(TensorDataset(torch.zeros(4, 4)), batch_size=2))
     assert trainer.global_step == 0 and not (tmp_path / "ckpts").exists()
+
+
+def test_export_reads_the_module_tensors_only(tmp_path):
+    """``read_weights`` (what export reads): the module's tensors, verified, and none of the optimizer's, so a
+    damaged moment, which a full load refuses, is never read; a file ORT alone wrote keeps its optimizer step as
+    ``global_step``."""
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "plain.ckpt"
+    save_checkpoint(Checkpoint(trainable={"w": w}, optimizer_groups={"group0": OptimizerGroup(
+        7, 1e-3, {"w": {"momentum0": torch.ones_like(w), "momentum1": torch.ones_like(w)}})}), path)
+    with open_checkpoint(path) as reader:
+        moment = reader.optimizer_groups["group0"].states["w"]["momentum1"]
+    with open(path, "r+b") as f:
+        f.seek(moment.offset + 1000)
+        f.write(b"\x7f")
+    with pytest.raises(CorruptCheckpointError, match="momentum1"):
+        load_checkpoint(path)
+    with pytest.warns(CheckpointWarning, match="written by ONNX Runtime"):
+        state = read_weights(path)
+    assert torch.equal(state["state_dict"]["w"], w) and state["global_step"] == 7
+    assert "optimizer_states" not in state
+    with open_checkpoint(path) as reader:
+        weight = reader.trainable["w"]
+    with open(path, "r+b") as f:  # damage to a weight is caught
+        f.seek(weight.offset + 1000)
+        f.write(b"\x7f")
+    with pytest.raises(CorruptCheckpointError, match="'w'"):
+        read_weights(path)

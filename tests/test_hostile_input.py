@@ -292,3 +292,25 @@ def test_cli_json_has_no_nan_tokens(tmp_path):
     assert {p["name"]: p["value"] for p in report["properties"]} == {"loss": "nan", "best": "inf"}
     with open_checkpoint(path) as reader:
         assert reader.properties["best"] == float("inf")
+
+
+def test_tensors_that_share_bytes(tmp_path):
+    """A full load reads each tensor into memory of its own, so tensors pointing at the same bytes would each cost a
+    copy (a thousand tensors on one 1 GB vector: 1 TB). No writer shares them: it is our error, before any read."""
+    import struct
+
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "shared.ckpt"
+    tensors = {"a": torch.randn(64, 64, generator=g), "b": torch.randn(64, 64, generator=g)}
+    save_checkpoint(Checkpoint(trainable=tensors), path, checksums=False)
+    with open_checkpoint(path) as reader:
+        a, b = reader.trainable["a"].offset, reader.trainable["b"].offset
+    data = bytearray(path.read_bytes())
+    # b's raw_data field: the uoffset that points at b's vector (its length prefix, 4 bytes before its data)
+    field = next(p for p in range(0, len(data) - 4, 4) if p + struct.unpack_from("<I", data, p)[0] == b - 4)
+    struct.pack_into("<I", data, field, a - 4 - field)
+    path.write_bytes(bytes(data))
+    with open_checkpoint(path) as reader:
+        assert reader.trainable["b"].offset == a  # the file parses; only a full load needs memory per tensor
+    with pytest.raises(CorruptCheckpointError, match="'b' shares bytes with trainable tensor 'a'|'a' shares bytes"):
+        load_checkpoint(path, verify=False)

@@ -1,7 +1,7 @@
 """How bytes move between checkpoint files and memory, fast and without flooding the page cache.
 
-Saves stream with write-behind (:class:`WriteBehind`); whole-file loads (:func:`read_whole`) copy what the page cache
-already holds (and drop it from the cache) and read the rest with direct I/O into huge-page memory. Both exist for
+Saves stream with write-behind (:class:`WriteBehind`); loads (:func:`read_range`, one per tensor) copy what the page
+cache already holds (and drop it from the cache) and read the rest with direct I/O into huge-page memory. Both exist for
 the same reason: on the VMs this project runs on, fresh memory (new page-cache pages, a new buffer) costs more than
 the disk, because the guest hands freed memory back to its host and every 4 KiB page touched again is a fault to
 the host. Everything here is an optimization with a plain fallback: where a call is missing or refused (not Linux, a
@@ -19,7 +19,6 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from .layout import MAX_FLATBUFFER_SIZE
 from .platform import portable_io
 
 BEHIND_BYTES = 8 << 20  # write-behind step: see WriteBehind
@@ -131,19 +130,6 @@ def open_regular(path: str, what: str = "checkpoint", owner: str | None = None) 
     return fd
 
 
-def data_extent(fd: int, size: int) -> int:
-    """How much of a checkpoint file of ``size`` bytes a whole-file read takes: no more than a FlatBuffer can be
-    (2 GiB), and, where the system reports holes (``SEEK_HOLE``), nothing from the first hole on: a valid file
-    followed by a huge sparse tail costs no more memory than the file alone. Checkpoints have no holes."""
-    extent = min(size, MAX_FLATBUFFER_SIZE)
-    if hasattr(os, "SEEK_HOLE") and not portable_io():
-        try:
-            extent = min(extent, os.lseek(fd, 0, os.SEEK_HOLE))
-        except OSError:  # the file system does not say
-            pass
-    return extent
-
-
 def check_regular(mode: int, label: str, where: str) -> None:
     """Raise our error unless ``mode`` (of ``os.stat``) is a regular file's: a directory, FIFO or device is not a
     checkpoint (``label`` names the file in the message, ``where`` is the checkpoint it belongs to)."""
@@ -157,66 +143,71 @@ def check_regular(mode: int, label: str, where: str) -> None:
 
 _HUGE_PAGE = 2 << 20
 _DIRECT_ALIGN = 4096  # offset, length and memory alignment of direct reads: every disk's logical block divides it
-_DIRECT_MIN = 8 << 20  # smaller files are read plainly: direct I/O would save little
-_READ_CHUNK = 64 << 20  # whole-file reads go in steps of this size, each from the cache or the disk
+_DIRECT_MIN = 256 << 10  # smaller ranges are read plainly: direct I/O would save little
+_READ_CHUNK = 64 << 20  # reads go in steps of this size, each from the cache or the disk
 
 
 def fresh_memory(size: int) -> np.ndarray:
-    """``size`` bytes of fresh, writable, page-aligned memory for a whole-file read.
+    """``size`` bytes of fresh, writable memory for a read; page-aligned from ``_DIRECT_MIN`` on, as direct I/O
+    needs.
 
-    Large buffers are private anonymous mappings advised for transparent huge pages: 512 times fewer first-touch
-    faults than 4 KiB pages. Where the advice is unknown (not Linux) or refused, it is ordinary memory. The mapping
-    is unmapped when the last array or tensor viewing it goes away.
+    Those are private anonymous mappings, advised for transparent huge pages from 2 MiB on: 512 times fewer
+    first-touch faults than 4 KiB pages. Where mappings or the advice are unknown (not Linux), or the portable path is
+    forced, it is ordinary memory. The mapping is unmapped when the last array or tensor viewing it goes away.
     """
-    if size < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or portable_io():
+    if size < _DIRECT_MIN or not hasattr(mmap, "MADV_HUGEPAGE") or portable_io():
         return np.empty(size, dtype=np.uint8)
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # advice only (THP compiled out)
-        pass
+    if size >= _HUGE_PAGE:
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # advice only (THP compiled out)
+            pass
     return np.frombuffer(mm, dtype=np.uint8)
 
 
-def read_whole(fd: int, size: int, path: str) -> np.ndarray:
-    """The first ``size`` bytes of the open file ``fd`` in fresh memory of their own.
+def read_range(fd: int, start: int, size: int, path: str) -> np.ndarray:
+    """Bytes ``start`` to ``start + size`` of the open file ``fd``, in fresh memory of their own.
 
-    Step by step, what the page cache already holds is copied from it (``RWF_NOWAIT`` reads stop at the first
-    uncached page) and then dropped from the cache, and the rest is read with ``O_DIRECT``, from the disk straight
-    into the buffer. A buffered read of an uncached file would first fill the page cache: as much fresh memory again
-    as the file, which here costs more than the disk (a cold 3 GB load: 1.8 s, against 9.0 s for a plain read;
-    docs/performance.md), and it would push the training job's own files out of the cache. Dropping what was copied
-    keeps the checkpoint in memory once, not twice, and the pages it frees are the ones the rest of the buffer then
-    reuses, instead of fresh memory (a warm 3 GB load: 1.0 s, against 6.6 s for a plain read); a later load of the
-    same file reads it directly, which is the fast path anyway. Pages that some process has mapped, or that are
-    dirty, stay cached. Small files, and systems or file systems without these calls, get one plain sequential read,
-    and nothing is dropped.
+    A whole-file load calls this once per tensor, so that each tensor owns its memory (a tensor kept alive keeps
+    only its own bytes alive) and no whole-file buffer is ever allocated. Step by step, what the page cache already
+    holds is copied from it (``RWF_NOWAIT`` reads stop at the first uncached page) and then dropped from the cache,
+    and the rest is read with ``O_DIRECT``, from the disk straight into the memory (which then spans the whole blocks
+    around the range; the array returned views the range). A buffered read of an uncached file would first fill the
+    page cache: as much fresh memory again as the file, which here costs more than the disk (a cold 3 GB load: 1.8 s,
+    against 9.0 s for a plain read; docs/performance.md), and it would push the training job's own files out of the
+    cache. Dropping what was copied keeps the checkpoint in memory once, not twice, and the pages it frees are the
+    ones the next tensors then reuse, instead of fresh memory; a later load of the same file reads it directly, which
+    is the fast path anyway. Pages that some process has mapped, or that are dirty, stay cached. Small ranges, and
+    systems or file systems without these calls, get plain reads, and nothing is dropped.
     """
-    out = fresh_memory(_whole_blocks(size))  # direct reads fill whole blocks
-    view = memoryview(out)
     portable = portable_io()
     direct = (size >= _DIRECT_MIN and not portable and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
               and hasattr(os, "preadv"))
+    head = start % _DIRECT_ALIGN if direct else 0
+    out = fresh_memory(_whole_blocks(head + size) if direct else size)  # direct reads fill whole blocks
+    base = start - head  # the file offset of out[0]
+    view = memoryview(out)
     if not direct and not portable and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    pos = 0
-    while pos < size:
-        end = min(pos + _READ_CHUNK, size)
+        os.posix_fadvise(fd, start, size, os.POSIX_FADV_SEQUENTIAL)
+    pos, stop = start, start + size
+    while pos < stop:
+        end = min(pos + _READ_CHUNK, stop)
         if direct:
             try:
-                pos = _read_cached(fd, view, pos, end, path)
+                pos = _read_cached(fd, view, base, pos, end, path)
                 if pos < end:
-                    pos = _read_direct(fd, view, pos, end, path)
+                    pos = _read_direct(fd, view, base, pos, end, path)
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # anything but "not on this file": a real error
                     raise
                 direct = False  # plain reads from here on
         while pos < end and not direct:
-            n = _pread_into(fd, view[pos:end], pos, portable)
+            n = _pread_into(fd, view[pos - base:end - base], pos, portable)
             if n == 0:
                 raise _shrank(pos, path)
             pos += n
-    return out[:size]
+    return out[head:head + size]
 
 
 def _pread_into(fd: int, buf: memoryview, pos: int, portable: bool) -> int:
@@ -230,13 +221,13 @@ def _pread_into(fd: int, buf: memoryview, pos: int, portable: bool) -> int:
         return f.readinto(buf) or 0
 
 
-def _read_cached(fd: int, view: memoryview, pos: int, end: int, path: str) -> int:
-    """Copy from the page cache from ``pos`` on, up to ``end`` or the first page it does not hold, and drop what
-    was copied from the cache; the new pos."""
+def _read_cached(fd: int, view: memoryview, base: int, pos: int, end: int, path: str) -> int:
+    """Copy from the page cache from file offset ``pos`` on (into ``view``, which starts at offset ``base``), up to
+    ``end`` or the first page it does not hold, and drop what was copied from the cache; the new pos."""
     start = pos
     while pos < end:
         try:
-            n = os.preadv(fd, [view[pos:end]], pos, os.RWF_NOWAIT)
+            n = os.preadv(fd, [view[pos - base:end - base]], pos, os.RWF_NOWAIT)
         except BlockingIOError:  # the next page is not cached
             break
         if n == 0:
@@ -247,9 +238,10 @@ def _read_cached(fd: int, view: memoryview, pos: int, end: int, path: str) -> in
     return pos
 
 
-def _read_direct(fd: int, view: memoryview, pos: int, end: int, path: str) -> int:
-    """Read from the disk, bypassing the page cache, from the block holding ``pos`` to ``end``; the new pos (less
-    than ``end`` after a short read: the caller goes on from there)."""
+def _read_direct(fd: int, view: memoryview, base: int, pos: int, end: int, path: str) -> int:
+    """Read from the disk, bypassing the page cache, from the block holding ``pos`` to ``end`` (into ``view``, which
+    starts at the block-aligned offset ``base``); the new pos (less than ``end`` after a short read: the caller goes
+    on from there)."""
     import fcntl
 
     start = pos - pos % _DIRECT_ALIGN
@@ -257,7 +249,7 @@ def _read_direct(fd: int, view: memoryview, pos: int, end: int, path: str) -> in
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
     try:
-        n = os.preadv(fd, [view[start:stop]], start)
+        n = os.preadv(fd, [view[start - base:stop - base]], start)
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     if start + n <= pos:

@@ -1,7 +1,7 @@
 """Which operating-system tricks the format layer may use.
 
 Linux (and some Unix) calls make saves and loads faster or safer: ``O_DIRECT`` and ``RWF_NOWAIT`` reads and
-``posix_fadvise`` (``diskio.read_whole``), ``sync_file_range`` write-behind through ``ctypes.CDLL(None)``
+``posix_fadvise`` (``diskio.read_range``), ``sync_file_range`` write-behind through ``ctypes.CDLL(None)``
 (``diskio.WriteBehind``), ``writev`` (the writer), ``preadv``, transparent huge pages (``MADV_HUGEPAGE``),
 ``O_NONBLOCK`` so that opening a FIFO cannot hang (``diskio.open_regular``), ``O_DIRECTORY`` for fsyncing a
 directory and ``os.kill(pid, 0)`` to tell a live writer from a dead one (``atomic``). Each use is feature-detected

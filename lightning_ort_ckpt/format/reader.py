@@ -5,20 +5,23 @@ identifier, the version, that every offset and length is inside the file, that d
 ``numel x itemsize`` equals the stored length (Python integers: no overflow), and that an external ``.data`` file is
 present and long enough. Any fault raises :class:`CorruptCheckpointError` naming the file and the fault; nothing is
 allocated from a size the file claims before that size is checked against the file. Tensor bytes are touched only
-when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads. Files written by this library record
-a checksum of every tensor (``checksums``): a full load verifies them all, the lazy reader on request.
+when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads; a full load (:meth:`load
+<CheckpointReader.load>`) reads each tensor into memory of its own. Files written by this library record a checksum
+of every tensor (``checksums``): a full load verifies them all, the lazy reader on request.
 
 torch is imported only when tensors are requested; metadata and numpy access work without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import stat
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,9 +30,10 @@ import numpy as np
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import atomic, checksums
 from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
-from .diskio import check_regular, data_extent, open_regular, read_whole
+from .diskio import check_regular, open_regular, read_range
 from .dtypes import DataType
 from .layout import MAX_FLATBUFFER_SIZE
+from .platform import portable_io
 from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -69,16 +73,16 @@ class GroupInfo:
 class CheckpointReader:
     """An open ODTC checkpoint. Use as a context manager; tensors it returned stay valid after :meth:`close`."""
 
-    def __init__(self, path: str | os.PathLike[str], *, in_memory: bool = False, verify: bool = False) -> None:
-        """``in_memory=True`` reads the whole file (and its ``.data``) into memory at once instead of mapping it:
-        the fastest way to get every byte (``load_checkpoint`` uses it; see ``diskio.read_whole``). A FlatBuffer
-        ends before 2 GiB and before the file's first hole (``diskio.data_extent``): a tail beyond is never read.
-        ``verify=True`` checks each tensor against its recorded checksum when it is read (:meth:`verify_tensor`)."""
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+        """``verify=True`` checks each tensor against its recorded checksum when it is read (:meth:`verify_tensor`).
+        A FlatBuffer ends before 2 GiB: a tail beyond is never mapped nor read."""
         self.path = os.fspath(path)
-        self._in_memory = in_memory
         self._verify = verify
         self._verified: set[int] = set()
+        self._own: dict[int, np.ndarray] = {}  # tensor bytes read by load(), each in memory of its own
+        self._fd = -1
         self._data_mm: Any = None
+        self._mapping = threading.Lock()
         self._data: Any = None  # the .data file opened with the checkpoint, as one consistent pair
         try:
             fd, data_fd = atomic.open_pair(self.path)  # changes nothing on disk, even mid-commit
@@ -87,20 +91,19 @@ class CheckpointReader:
             raise CorruptCheckpointError("no such checkpoint file", self.path) from None
         except OSError as e:  # permission denied, a symlink loop, ...
             raise CheckpointError(f"cannot open the checkpoint: {e.strerror or e}", self.path) from None
+        self._fd = fd  # kept open for load(), which reads the tensors from it
         try:
             st = os.fstat(fd)
             check_regular(st.st_mode, "checkpoint", self.path)
             if st.st_size < 8:
                 raise CorruptCheckpointError(f"not an ORT checkpoint: the file has only {st.st_size} bytes",
                                              self.path)
-            self._mm: Any = (read_whole(fd, data_extent(fd, st.st_size), self.path) if in_memory
-                             else _map(fd, min(st.st_size, MAX_FLATBUFFER_SIZE), self.path))
-            self._parse()
+            self._mm: Any = _map(fd, min(st.st_size, MAX_FLATBUFFER_SIZE), self.path)
+            with _parsing(self._mm):
+                self._parse()
         except BaseException:
             self.close()
             raise
-        finally:
-            os.close(fd)
         if not self.has_external_data and self._data is not None:
             self._data.close()
             self._data = None
@@ -147,7 +150,7 @@ class CheckpointReader:
             return
         if info.storage in ("inline", "external"):
             h = checksums.hasher(int(info.dtype), info.shape)
-            h.update(self._bytes_of(info))
+            h.update(self._raw(info))
             self._compare(info, h.intdigest())
         self._verified.add(id(info))
 
@@ -201,8 +204,8 @@ class CheckpointReader:
             return torch.empty(info.shape, dtype=dtype)
         # Through numpy: the array holds a buffer export on the mapping, and the tensor holds the array, so the
         # mapping outlives close() for as long as any tensor uses it (torch.frombuffer would not keep it alive).
-        raw = np.frombuffer(self._map_for(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        if info.offset % info.dtype.itemsize:  # ORT leaves int64/double data 4-aligned: copy those
+        raw = self._raw(info)
+        if raw.ctypes.data % info.dtype.itemsize:  # ORT leaves int64/double data 4-aligned: copy those
             raw = raw.copy()
         return torch.from_numpy(raw).view(dtype).reshape(info.shape)
 
@@ -215,23 +218,33 @@ class CheckpointReader:
             self.verify_tensor(info)
         if info.nbytes == 0:
             return np.empty(info.shape, dtype=dtype)
-        array = np.frombuffer(self._map_for(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return array.view(dtype).reshape(info.shape)
+        return self._raw(info).view(dtype).reshape(info.shape)
 
     def load(self, verify: bool = True) -> Checkpoint:
-        """Everything, as a :class:`Checkpoint` of torch tensors in memory of their own (nothing left mapped).
+        """Everything, as a :class:`Checkpoint` of torch tensors, each in memory of its own (nothing left mapped).
 
-        The file is read whole, in order (unless the reader already holds it: ``in_memory``), and
-        the tensors are views into that memory; int64/double tensors that ORT left only 4-aligned are copied.
-        With ``verify`` every tensor is checked against its recorded checksum first.
+        Each tensor is read from the file straight into memory of its own, in file order (``diskio.read_range``):
+        no buffer ever holds the whole file, and a tensor kept alive keeps only its own bytes alive (the optimizer
+        moments torch keeps after a resume do not keep the parameters' bytes with them). With ``verify`` every
+        tensor is checked against its recorded checksum before any is handed out.
         """
-        if not self._in_memory:
-            with CheckpointReader(self.path, in_memory=True) as whole:
-                return whole.load(verify)
-        if verify:
-            self.verify()
-        fresh = {id(i): self.numpy(i) if i.storage == "strings" else self._empty(i) if i.storage == "none"
-                 else self.torch(i) for i in self.tensors()}
+        stored = sorted((i for i in self.tensors() if i.storage in ("inline", "external")),
+                        key=lambda i: (i.storage, i.offset))
+        for before, info in zip(stored, stored[1:]):  # each is read into memory of its own: never one byte twice
+            if info.storage == before.storage and info.offset < before.offset + before.nbytes:
+                raise self._fail(f"{info.kind} tensor {info.name!r} shares bytes with {before.kind} tensor "
+                                 f"{before.name!r}; no checkpoint is written that way: it is damaged")
+        try:
+            for info in stored:
+                self._own[id(info)] = (read_range(self._fd, info.offset, info.nbytes, self.path)
+                                       if info.storage == "inline"
+                                       else read_range(self._data_fd(), info.offset, info.nbytes, self.data_path))
+            if verify:
+                self.verify()
+            fresh = {id(i): self.numpy(i) if i.storage == "strings" else self._empty(i) if i.storage == "none"
+                     else self.torch(i) for i in self.tensors()}
+        finally:
+            self._own.clear()  # the tensors hold their memory now; a reader kept open must not
         return Checkpoint(
             trainable={n: fresh[id(i)] for n, i in self.trainable.items()},
             frozen={n: fresh[id(i)] for n, i in self.frozen.items()},
@@ -241,6 +254,16 @@ class CheckpointReader:
                               for g in self.optimizer_groups.values()},
             properties=dict(self.properties), nominal=self.nominal)
 
+    def module_state(self) -> Checkpoint:
+        """The parameters, buffers and properties, and the optimizer groups without their tensors, as zero-copy
+        views of the mapped file (each checked against its checksum as it is read when the reader verifies): what an
+        export needs, at the cost of the module's bytes only; none of the optimizer's bytes are read."""
+        return Checkpoint(trainable={n: self.torch(i) for n, i in self.trainable.items()},
+                          frozen={n: self.torch(i) for n, i in self.frozen.items()},
+                          optimizer_groups={g.name: OptimizerGroup(g.step, g.initial_learning_rate)
+                                            for g in self.optimizer_groups.values()},
+                          properties=dict(self.properties), nominal=self.nominal)
+
     @staticmethod
     def _empty(info: TensorInfo) -> Any:
         """A nominal checkpoint's tensor: the dtype is all there is."""
@@ -249,8 +272,12 @@ class CheckpointReader:
         return torch.empty(0, dtype=info.dtype.to_torch())
 
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._data is not None:
             self._data.close()
+            self._data = None
         for mm in (getattr(self, "_mm", None), self._data_mm):
             if isinstance(mm, mmap.mmap):
                 try:
@@ -454,8 +481,12 @@ class CheckpointReader:
             raise self._fail(f"{what[info.kind]} {name!r}{where} is damaged: its bytes (or type or shape) do not "
                              "match the checksum recorded when it was saved")
 
-    def _bytes_of(self, info: TensorInfo) -> memoryview:
-        return memoryview(self._map_for(info))[info.offset:info.offset + info.nbytes]
+    def _raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes: its own memory while :meth:`load` runs, else a view of the mapped file."""
+        own = self._own.get(id(info))
+        if own is not None:
+            return own
+        return np.frombuffer(self._map_for(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
     # -- data access --------------------------------------------------------------------------------------------
     def _checked_dtype(self, info: TensorInfo) -> DataType:
@@ -469,16 +500,22 @@ class CheckpointReader:
     def _map_for(self, info: TensorInfo) -> Any:
         if info.storage == "inline":
             return self._mm
-        if self._data_mm is None:
-            needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
-            with self._data if self._data is not None else os.fdopen(
-                    open_regular(self.data_path, "external data", self.path), "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size < needed:
-                    raise self._fail(f"its external data file {self.data_path} shrank while it was open")
-                self._data_mm = (read_whole(f.fileno(), needed, self.data_path) if self._in_memory
-                                 else _map(f.fileno(), needed, self.path))
-            self._data = None
+        with self._mapping:  # verify() asks from two threads
+            if self._data_mm is None:
+                needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
+                with self._data if self._data is not None else os.fdopen(
+                        open_regular(self.data_path, "external data", self.path), "rb", buffering=0) as f:
+                    if os.fstat(f.fileno()).st_size < needed:
+                        raise self._fail(f"its external data file {self.data_path} shrank while it was open")
+                    self._data_mm = _map(f.fileno(), needed, self.path)
+                self._data = None
         return self._data_mm
+
+    def _data_fd(self) -> int:
+        """The ``.data`` file's descriptor: the one opened with the checkpoint, or, once mapped, opened again."""
+        if self._data is None:
+            self._data = os.fdopen(open_regular(self.data_path, "external data", self.path), "rb", buffering=0)
+        return self._data.fileno()
 
     def _strings(self, info: TensorInfo) -> list[str]:
         p = _Parser(self._mm, self._fail)
@@ -492,13 +529,32 @@ def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> Ch
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint:
-    """Read the whole checkpoint at ``path`` into torch tensors in memory of their own (views into the file's bytes,
-    read in order: a tensor kept alive keeps that memory alive). Large files leave the page cache as they are
-    copied, and their uncached part is read straight from the disk (see ``diskio.read_whole``). With ``verify``
+    """Read the whole checkpoint at ``path`` into torch tensors, each in memory of its own (see
+    :meth:`CheckpointReader.load`). Large tensors leave the page cache as they are copied, and their uncached part is
+    read straight from the disk into their memory (see ``diskio.read_range``). With ``verify``
     (the default) every tensor must match the checksum recorded when it was saved, or
     :class:`CorruptCheckpointError` names it; files without checksums (written by ORT) load as they are."""
-    with CheckpointReader(path, in_memory=True) as reader:
+    with CheckpointReader(path) as reader:
         return reader.load(verify)
+
+
+@contextlib.contextmanager
+def _parsing(mm: mmap.mmap) -> Iterator[None]:
+    """Read-ahead off on ``mm`` while the metadata is parsed, and the pages the parse mapped let go after it. The
+    metadata lies in small pieces between the tensors' bytes: on a cold file each page fault would otherwise read
+    some 128 KiB of tensor bytes around it, and on a cached one each fault maps cached pages around it into the
+    process (over a third of a 300 MB file here), which would count on top of a full load's tensors. Nothing has
+    been written to the (copy-on-write) mapping yet, so dropping its pages loses nothing: they map again from the
+    file when read."""
+    if not hasattr(mmap, "MADV_RANDOM") or portable_io():
+        yield
+        return
+    mm.madvise(mmap.MADV_RANDOM)
+    try:
+        yield
+    finally:
+        mm.madvise(mmap.MADV_DONTNEED)
+        mm.madvise(mmap.MADV_NORMAL)
 
 
 def _map(fd: int, length: int, path: str) -> mmap.mmap:

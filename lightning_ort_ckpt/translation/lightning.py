@@ -183,10 +183,11 @@ def _state_with_str_keys(opt_state: dict[str, Any]) -> dict[str, Any]:
     return {**opt_state, "state": {str(k): v for k, v in opt_state.get("state", {}).items()}}
 
 
-def from_ort(ck: Checkpoint, path: str) -> dict[str, Any]:
+def from_ort(ck: Checkpoint, path: str, *, optimizer_states: bool = True) -> dict[str, Any]:
     """Lightning's checkpoint dict from an ORT checkpoint written by :func:`to_ort`, possibly trained on by ORT since.
 
-    For a file that ORT alone wrote (no manifest) see :func:`plain_ort_to_lightning`.
+    ``optimizer_states=False`` leaves the key out (``ck`` may then lack the optimizer groups: an export reads only
+    the module's tensors). For a file that ORT alone wrote (no manifest) see :func:`plain_ort_to_lightning`.
     """
     try:
         manifest = json.loads(ck.properties[MANIFEST])
@@ -195,14 +196,14 @@ def from_ort(ck: Checkpoint, path: str) -> dict[str, Any]:
         if manifest["version"] > VERSION:
             raise CorruptCheckpointError(f"written by a newer lightning-ort-ckpt (manifest version "
                                          f"{manifest['version']}); upgrade to load it", path)
-        return check_counters(_from_manifest(ck, manifest, path), path)
+        return check_counters(_from_manifest(ck, manifest, path, optimizer_states), path)
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, ArithmeticError) as e:  # RecursionError too
         if isinstance(e, CorruptCheckpointError):
             raise
         raise CorruptCheckpointError(f"its Lightning metadata ({MANIFEST}) is damaged: {e}", path) from None
 
 
-def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str) -> dict[str, Any]:
+def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str, optimizer_states: bool) -> dict[str, Any]:
     params = {**ck.trainable, **ck.frozen}
     cast = manifest.get("cast", {})
 
@@ -236,7 +237,8 @@ def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str) -> dict[
             if metadata is not None:
                 out[key]._metadata = metadata  # type: ignore[attr-defined]
         elif key == "optimizer_states":
-            out[key] = [_optimizer_from_ort(entry, ck, source, path) for entry in manifest["optimizers"]]
+            if optimizer_states:
+                out[key] = [_optimizer_from_ort(entry, ck, source, path) for entry in manifest["optimizers"]]
         else:
             out[key] = values.decode(manifest["values"][key], source)
     return out
