@@ -79,6 +79,7 @@ class CheckpointReader:
         self._verify = verify
         self._verified: set[int] = set()
         self._data_mm: Any = None
+        self._data_lock = threading.Lock()  # verify() reads on two threads: the .data file is read once
         self._data: Any = None  # the .data file opened with the checkpoint, as one consistent pair
         try:
             fd, data_fd = atomic.open_pair(self.path)  # changes nothing on disk, even mid-commit
@@ -469,15 +470,16 @@ class CheckpointReader:
     def _map_for(self, info: TensorInfo) -> Any:
         if info.storage == "inline":
             return self._mm
-        if self._data_mm is None:
-            needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
-            with self._data if self._data is not None else os.fdopen(
-                    open_regular(self.data_path, "external data", self.path), "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size < needed:
-                    raise self._fail(f"its external data file {self.data_path} shrank while it was open")
-                self._data_mm = (read_whole(f.fileno(), needed, self.data_path) if self._in_memory
-                                 else _map(f.fileno(), needed, self.path))
-            self._data = None
+        with self._data_lock:
+            if self._data_mm is None:
+                needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
+                with self._data if self._data is not None else os.fdopen(
+                        open_regular(self.data_path, "external data", self.path), "rb", buffering=0) as f:
+                    if os.fstat(f.fileno()).st_size < needed:
+                        raise self._fail(f"its external data file {self.data_path} shrank while it was open")
+                    self._data_mm = (read_whole(f.fileno(), needed, self.data_path) if self._in_memory
+                                     else _map(f.fileno(), needed, self.path))
+                self._data = None
         return self._data_mm
 
     def _strings(self, info: TensorInfo) -> list[str]:

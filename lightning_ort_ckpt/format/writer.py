@@ -19,7 +19,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
@@ -98,6 +98,7 @@ class _Tensors:
     def __init__(self, path: str) -> None:
         self.path = path
         self.entries: list[_Entry] = []
+        self.scratch: np.ndarray | None = None
 
     def add(self, name: str, tensor: Tensor, what: str, checksum_key: str) -> int:
         if not isinstance(name, str) or not name:
@@ -111,8 +112,14 @@ class _Tensors:
         self.entries.append(entry)
         return len(self.entries) - 1
 
-    def chunks(self, key: int) -> Iterator[memoryview]:
-        return _byte_chunks(self.entries[key].source)
+    def chunks(self, key: int) -> Iterator[tuple[memoryview, bool]]:
+        return _byte_chunks(self.entries[key].source, self._scratch)
+
+    def _scratch(self) -> np.ndarray:
+        """The save's one buffer for converted chunks (allocated on first use, then reused)."""
+        if self.scratch is None:
+            self.scratch = np.empty(_CHUNK_BYTES, dtype=np.uint8)
+        return self.scratch
 
 
 def _describe(name: str, tensor: Tensor) -> _Entry:
@@ -138,39 +145,46 @@ def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch")
 
 
-def _byte_chunks(tensor: Any) -> Iterator[memoryview]:
-    """The tensor's bytes in C order as stored (little-endian, converted to a ``StoredAs`` type): straight from its
-    memory when it is a contiguous CPU tensor of that type, else in converted chunks of at most ``_CHUNK_BYTES``."""
+def _byte_chunks(tensor: Any, scratch: Callable[[], np.ndarray]) -> Iterator[tuple[memoryview, bool]]:
+    """The tensor's bytes in C order as stored (little-endian, converted to a ``StoredAs`` type), each with whether
+    it lies in ``scratch`` memory: straight from the tensor's memory when it is a contiguous CPU tensor of that
+    type (not scratch), else converted chunk by chunk into the one ``_CHUNK_BYTES`` scratch buffer of the save,
+    which the next chunk overwrites (so the caller writes each before it asks for the next)."""
     stored = tensor.dtype if isinstance(tensor, StoredAs) else None
     source = tensor.tensor if isinstance(tensor, StoredAs) else tensor
     if _is_torch(source):
-        yield from _torch_chunks(source, stored)
+        yield from _torch_chunks(source, stored, scratch)
         return
     array = np.asarray(source)
     out = stored.to_numpy() if stored is not None else array.dtype.newbyteorder("<")
     if array.size == 0:
         return
     if array.flags.c_contiguous and array.dtype == out:
-        yield memoryview(array.reshape(-1).view(np.uint8))
+        yield memoryview(array.reshape(-1).view(np.uint8)), False
         return
+    buf = scratch()
     for part in _parts(array, out.itemsize):
-        yield memoryview(np.array(part, dtype=out, order="C").reshape(-1).view(np.uint8))
+        dst = buf[:part.size * out.itemsize]
+        np.copyto(dst.view(out).reshape(part.shape), part)
+        yield memoryview(dst), True
 
 
-def _torch_chunks(tensor: Any, stored: DataType | None) -> Iterator[memoryview]:
+def _torch_chunks(tensor: Any, stored: DataType | None,
+                  scratch: Callable[[], np.ndarray]) -> Iterator[tuple[memoryview, bool]]:
     import torch
 
     t = tensor.detach()
     if t.numel() == 0:
         return
-    t = t.resolve_conj().resolve_neg()
     out = stored.to_torch() if stored is not None else t.dtype
-    if t.device.type == "cpu" and t.is_contiguous() and t.dtype == out:
-        yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    if t.device.type == "cpu" and t.is_contiguous() and t.dtype == out and not (t.is_conj() or t.is_neg()):
+        yield memoryview(t.reshape(-1).view(torch.uint8).numpy()), False
         return
+    buf = torch.from_numpy(scratch())
     for part in _parts(t, out.itemsize):
-        yield memoryview(part.to("cpu", out, memory_format=torch.contiguous_format).contiguous()
-                         .reshape(-1).view(torch.uint8).numpy())
+        dst = buf[:part.numel() * out.itemsize]
+        dst.view(out).view(part.shape).copy_(part)  # converts the type, gathers strides, resolves conj/neg views
+        yield memoryview(dst.numpy()), True
 
 
 def _parts(t: Any, itemsize: int) -> Iterator[Any]:
@@ -450,9 +464,13 @@ class _Hashing:
         self._queued.add(id(h))
         self._queue.put((h, data))  # type: ignore[union-attr]  # one thread: a tensor's updates stay in order
 
-    def digests(self) -> dict[str, int]:
+    def drain(self) -> None:
+        """Wait until every update given to the helper thread is hashed (before the memory it reads is reused)."""
         if self._queue is not None:
             self._queue.join()
+
+    def digests(self) -> dict[str, int]:
+        self.drain()
         return {e.checksum_key: (self.hashers.get(e.checksum_key)  # a tensor without bytes streams no blob
                                  or _checksums.hasher(int(e.dtype), tuple(e.dims))).intdigest()
                 for e in self.tensors.entries if e.checksum_key is not None}
@@ -482,9 +500,10 @@ class _Hashing:
 
 
 class _Writer:
-    """Writes one file's pieces in order, each from its own memory, in steps of exactly ``BEHIND_BYTES`` of the file:
-    pieces (metadata, whole small tensors, the part of a large one up to the step's end) are gathered by reference
-    and written with one ``writev`` per step, and the write-behind then sends that step to the disk. Writing each
+    """Writes one file's pieces in order, each from its own memory, in steps that end on multiples of
+    ``BEHIND_BYTES`` of the file: pieces (metadata, whole small tensors, the part of a large one up to the step's end)
+    are gathered by reference and written with one ``writev`` per step, and the write-behind then sends that step to
+    the disk (a chunk converted into the save's scratch buffer is written at once: the next chunk reuses it). Writing each
     tensor by itself, with writes that end anywhere, took 1.5x the time of one buffer written in the same steps;
     gathered on step boundaries it takes the same (docs/performance.md). No byte is copied, so no fresh memory is
     touched (a staging buffer cost a copy and, on VMs, slow first touches)."""
@@ -503,9 +522,12 @@ class _Writer:
     def blob(self, tensors: _Tensors, key: int) -> None:
         seen = 0
         h = self.hashing.start(key)
-        for chunk in tensors.chunks(key):
+        for chunk, scratch in tensors.chunks(key):
             seen += chunk.nbytes
             self._add(chunk.cast("B"), h)
+            if scratch:  # the next chunk overwrites this one: write and hash it first
+                self._flush()
+                self.hashing.drain()
         entry = tensors.entries[key]
         if seen != entry.nbytes:
             raise CheckpointSaveError(f"tensor {entry.name!r} changed size while it was being saved "
@@ -519,12 +541,12 @@ class _Writer:
         """Gather ``view`` up to the step's end (hashing each part as it is gathered, large parts on the helper
         thread while the step before is written), writing every step that fills."""
         while view:
-            part = view[:BEHIND_BYTES - self.pending_bytes]
+            part = view[:BEHIND_BYTES - (self.total + self.pending_bytes) % BEHIND_BYTES]
             view = view[len(part):]
             self.hashing.update(h, part)
             self.pending.append(part)
             self.pending_bytes += len(part)
-            if self.pending_bytes == BEHIND_BYTES:
+            if (self.total + self.pending_bytes) % BEHIND_BYTES == 0:
                 self._flush()
 
     def _flush(self) -> None:
