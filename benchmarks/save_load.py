@@ -317,6 +317,17 @@ def raw_write_behind(path: str, data: memoryview) -> None:
         os.fsync(f.fileno())
 
 
+def preimport(method: str) -> None:
+    """Import the library ``method`` measures before its timer starts (imported lazily, so that a run with
+    ``--only`` needs only what it measures)."""
+    import importlib
+
+    name = {"ort": "onnxruntime.training.api", "lightning": "pytorch_lightning.plugins.io",
+            "safetensors": "safetensors.torch"}.get(method)
+    if name is not None:
+        importlib.import_module(name)
+
+
 def raw_direct_read(path: str) -> Any:
     """The whole file read with ``O_DIRECT`` (no page cache) in 64 MiB reads, into memory advised for huge pages
     (as our reader allocates it)."""
@@ -343,9 +354,6 @@ def child_save(method: str, n_million: float, path: str, raw_size: int, ours_pat
 
     from lightning_ort_ckpt.format import atomic, save_checkpoint
 
-    from onnxruntime.training.api import CheckpointState
-    from pytorch_lightning.plugins.io import TorchCheckpointIO
-    from safetensors.torch import save_file
 
     res: dict[str, Any] = {}
     if method in ("raw", "raw_behind"):
@@ -355,6 +363,8 @@ def child_save(method: str, n_million: float, path: str, raw_size: int, ours_pat
         buf = torch.empty(raw_size // 4 + 1, dtype=torch.float32).normal_(generator=g)
         data = memoryview(buf.view(torch.uint8).numpy())[:raw_size]
     elif method == "ort":
+        from onnxruntime.training.api import CheckpointState
+
         ort_state = CheckpointState.load_checkpoint(ours_path)  # ORT copies every byte into its own OrtValues
     else:
         state = build_state(n_million)
@@ -363,6 +373,7 @@ def child_save(method: str, n_million: float, path: str, raw_size: int, ours_pat
                "safetensors": as_flat}[method](state)
 
     mode = "auto"
+    preimport(method)
     rss0 = _status("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()
@@ -384,12 +395,18 @@ def child_save(method: str, n_million: float, path: str, raw_size: int, ours_pat
             torch.save(obj, path)
             _fsync_path(path)
         elif method == "lightning":
+            from pytorch_lightning.plugins.io import TorchCheckpointIO
+
             TorchCheckpointIO().save_checkpoint(obj, path)
             _fsync_path(path)
         elif method == "safetensors":
+            from safetensors.torch import save_file
+
             save_file(obj, path)
             _fsync_path(path)
         elif method == "ort":
+            from onnxruntime.training.api import CheckpointState
+
             CheckpointState.save_checkpoint(ort_state, path, include_optimizer_state=True)
             for p in files_of(method, path):
                 _fsync_path(p)
@@ -407,8 +424,6 @@ def child_load(method: str, path: str, cold: bool) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from onnxruntime.training.api import CheckpointState
-    from safetensors.torch import load_file
 
     from lightning_ort_ckpt.format import load_checkpoint, open_checkpoint
     from lightning_ort_ckpt.format.diskio import fresh_memory
@@ -423,6 +438,7 @@ def child_load(method: str, path: str, cold: bool) -> dict[str, Any]:
     resident = sum(resident_fraction(p) * os.path.getsize(p) for p in paths) / sum(os.path.getsize(p) for p in paths)
     res: dict[str, Any] = {"resident_before": resident}
     keep: Any = None
+    preimport(method)
     rss0 = _status("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()
@@ -452,8 +468,12 @@ def child_load(method: str, path: str, cold: bool) -> dict[str, Any]:
         elif method == "torch":
             keep = tensors_in(torch.load(path, weights_only=True))
         elif method == "safetensors":
+            from safetensors.torch import load_file
+
             keep = tensors_in(load_file(path))
         elif method == "ort":
+            from onnxruntime.training.api import CheckpointState
+
             keep = CheckpointState.load_checkpoint(path)  # into OrtValues; not reachable as torch tensors
         if method != "ort":
             res["checksum"] = touch(keep)
