@@ -8,7 +8,8 @@ for ORT, views that are not contiguous, among them one whose first dimension is 
 inline, everything in ``.data``). Before the writer converted in bounded chunks, the ``ort_compatible`` case added
 634 MiB (a whole float32 copy of the bfloat16 state) and the non-contiguous one 260 MiB (the ``(1, n)`` view copied
 whole); now each adds one 16 MiB chunk. Every case also loads the file back and compares it with what was saved, so
-a bound met by writing the wrong bytes fails too.
+a bound met by writing the wrong bytes fails too. An asynchronous save stages such tensors in their own narrow type
+and converts them as it writes; a last test checks that the staged copy, not the live tensor, reaches the file.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from lightning_ort_ckpt import load_checkpoint, staging
+from lightning_ort_ckpt.format import StoredAs, save_checkpoint
+from lightning_ort_ckpt.translation.lightning import ModuleInfo, to_ort
 
 LIMIT_MIN = 64 << 20  # max(64 MiB, 5% of the checkpoint): issue #13's bound on a save's extra memory
 
@@ -104,3 +110,21 @@ def test_save_peak_extra_memory_is_bounded(case: str, tmp_path: Path) -> None:
     limit = max(LIMIT_MIN, 0.05 * res["size"])
     assert res["extra"] <= limit, (f"{case}: the save added {res['extra'] / 2**20:.1f} MiB, more than "
                                    f"{limit / 2**20:.1f} MiB ({res['size'] / 2**20:.0f} MiB checkpoint)")
+
+
+def test_async_staging_keeps_ort_compatible_tensors_narrow_and_owned(tmp_path: Path) -> None:
+    """An asynchronous save stages a bfloat16 tensor that is to be stored as float32 in its own bfloat16 copy (half
+    the memory of a float32 one) and converts it as it writes: training changing the tensor after the save call
+    returned does not reach the file."""
+    live = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    saved = live.float()
+    ck = to_ort({"state_dict": {"w": live}}, ModuleInfo({"w"}, []), ort_compatible=True)
+    staged, copy_later = staging.Stager().stage(ck, str(tmp_path / "a.ckpt"), [], [], lambda: None)
+    copy_later()
+    held = staged.trainable["w"]
+    assert isinstance(held, StoredAs) and held.tensor.dtype == torch.bfloat16
+    assert held.tensor.data_ptr() != live.data_ptr()
+    live.add_(1.0)  # the next optimizer step
+    save_checkpoint(staged, tmp_path / "a.ckpt")
+    stored = load_checkpoint(tmp_path / "a.ckpt").trainable["w"]
+    assert stored.dtype == torch.float32 and torch.equal(stored, saved)
