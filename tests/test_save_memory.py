@@ -48,8 +48,8 @@ def status(field):
 def transformer(dtype):
     # a decoder-only language model's tensors: 32k-token embedding, 4 blocks of width 1024 (~83M parameters)
     layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True)
-    model = torch.nn.Sequential(torch.nn.Embedding(32000, 1024), torch.nn.TransformerEncoder(layer, 4,
-                                                                                             enable_nested_tensor=False))
+    blocks = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    model = torch.nn.Sequential(torch.nn.Embedding(32000, 1024), blocks)
     return model.to(dtype)
 
 

@@ -2,8 +2,9 @@
 
 Saving has two steps, as in ``torch.distributed.checkpoint``: *planning* lays out every byte of the file with
 :class:`LayoutBuilder` (names, dims and offsets only), then *streaming* copies tensor bytes from each tensor's own
-memory to the file (with write-behind: see ``diskio``). Peak extra memory is, for a tensor that is not contiguous
-or not on the CPU, one bounded chunk of it; the file is never assembled in memory. Each tensor's checksum is
+memory to the file (with write-behind: see ``diskio``). A tensor that is not contiguous, not on the CPU, or to be
+stored as another type (:class:`StoredAs`) is converted chunk by chunk into one reused buffer of ``_CHUNK_BYTES``:
+that buffer is the save's peak extra memory; the file is never assembled in memory. Each tensor's checksum is
 computed as it streams (see ``checksums``) and written into the planned record before the commit, which is atomic
 (see ``atomic``).
 
@@ -503,10 +504,10 @@ class _Writer:
     """Writes one file's pieces in order, each from its own memory, in steps that end on multiples of
     ``BEHIND_BYTES`` of the file: pieces (metadata, whole small tensors, the part of a large one up to the step's end)
     are gathered by reference and written with one ``writev`` per step, and the write-behind then sends that step to
-    the disk (a chunk converted into the save's scratch buffer is written at once: the next chunk reuses it). Writing each
-    tensor by itself, with writes that end anywhere, took 1.5x the time of one buffer written in the same steps;
-    gathered on step boundaries it takes the same (docs/performance.md). No byte is copied, so no fresh memory is
-    touched (a staging buffer cost a copy and, on VMs, slow first touches)."""
+    the disk (a chunk converted into the save's scratch buffer is written at once: the next chunk reuses it).
+    Writing each tensor by itself, with writes that end anywhere, took 1.5x the time of one buffer written in the
+    same steps; gathered on step boundaries it takes the same (docs/performance.md). No byte is copied, so no fresh
+    memory is touched (a staging buffer cost a copy and, on VMs, slow first touches)."""
 
     def __init__(self, out: BinaryIO, hashing: _Hashing) -> None:
         self.out = out
