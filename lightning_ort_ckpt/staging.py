@@ -35,7 +35,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import CheckpointSaveError
-from .format import Checkpoint, OptimizerGroup
+from .format import Checkpoint, OptimizerGroup, StoredAs
 
 _lock = threading.Lock()
 _pending: set[_Copy] = set()  # deferred copies not finished yet, across every plugin of the process
@@ -151,6 +151,8 @@ class Stager:
 
         def copy_(where: str, t: Any) -> Any:
             nonlocal waited
+            if isinstance(t, StoredAs):  # staged as it is (the narrow type), converted as it is written
+                return StoredAs(copy_(where, t.tensor), t.dtype)
             if not isinstance(t, torch.Tensor):
                 return t
             buffer = buffers.get(where)

@@ -10,8 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-Tensor = Any  # torch.Tensor or numpy.ndarray; kept loose so this layer imports neither torch nor Lightning.
+from .dtypes import DataType
+
+Tensor = Any  # torch.Tensor, numpy.ndarray or StoredAs; kept loose so this layer imports neither torch nor Lightning.
 PropertyValue = Union[int, float, str]
+
+
+
+@dataclass(frozen=True)
+class StoredAs:
+    """A tensor to be stored as another data type, converted chunk by chunk while it streams: saving a bfloat16
+    state as the float32 ORT loads costs one bounded chunk, not a whole float32 copy. ``dtype`` must hold every
+    value of the tensor exactly (float16, bfloat16 and float8 as FLOAT); the writer does not check."""
+
+    tensor: Any
+    dtype: DataType
+
 
 GROUP_ZERO = "group0"
 """The only optimizer group ORT's ``Optimizer`` uses."""

@@ -156,7 +156,9 @@ class CheckpointReader:
 
     def verify(self) -> None:
         """Check every tensor against its recorded checksum (see :meth:`verify_tensor`). Large checkpoints are
-        hashed on two threads (the hash releases the GIL), each taking every other tensor."""
+        hashed on two threads (the hash releases the GIL), each taking the next tensor in turn. Where a
+        ``.data`` file is still to be read, this thread reads it first while the other hashes the main file's
+        tensors, so that read overlaps hashing instead of adding to it."""
         infos = self.tensors()
         if self.checksums is None or not self.checksums.usable:
             return
@@ -164,27 +166,37 @@ class CheckpointReader:
             for info in infos:
                 self.verify_tensor(info)
             return
-        errors: list[BaseException | None] = [None, None]
+        work = iter(sorted(infos, key=lambda i: i.storage == "external"))  # the main file's tensors first
+        take = threading.Lock()
+        errors: list[BaseException] = []
 
-        def run(part: int) -> None:
+        def run() -> None:
             try:
-                for info in infos[part::2]:
+                while not errors:
+                    with take:
+                        info = next(work, None)
+                    if info is None:
+                        return
                     self.verify_tensor(info)
             except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
-                errors[part] = e
+                errors.append(e)
 
-        helper = threading.Thread(target=run, args=(1,), name="ort-ckpt-verify", daemon=True)
+        helper = threading.Thread(target=run, name="ort-ckpt-verify", daemon=True)
         try:
             helper.start()
-        except RuntimeError:  # interpreter shutting down: one thread does it all
+        except RuntimeError:  # interpreter shutting down: this thread does it all
             helper = None
-            run(1)
-        run(0)
+        external = [i for i in infos if i.storage == "external"]
+        if external and helper is not None:
+            try:
+                self._map_for(external[0])
+            except BaseException as e:  # noqa: BLE001 - raised below, once the helper has stopped
+                errors.append(e)
+        run()
         if helper is not None:
             helper.join()
-        for error in errors:
-            if error is not None:
-                raise error
+        if errors:
+            raise errors[0]
 
     def get_tensor(self, name: str) -> Any:
         """A parameter or buffer as a torch tensor, zero-copy from the file where alignment allows."""

@@ -113,7 +113,7 @@ def _digests(tensors: _Tensors) -> dict[str, int]:
     for key, entry in enumerate(tensors.entries):
         if entry.checksum_key is not None:
             h = _checksums.hasher(int(entry.dtype), tuple(entry.dims))
-            for chunk in tensors.chunks(key):
+            for chunk, _ in tensors.chunks(key):
                 h.update(chunk)
             found[entry.checksum_key] = h.intdigest()
     return found

@@ -2,8 +2,9 @@
 
 Saving has two steps, as in ``torch.distributed.checkpoint``: *planning* lays out every byte of the file with
 :class:`LayoutBuilder` (names, dims and offsets only), then *streaming* copies tensor bytes from each tensor's own
-memory to the file (with write-behind: see ``diskio``). Peak extra memory is, for a tensor that is not contiguous
-or not on the CPU, one bounded chunk of it; the file is never assembled in memory. Each tensor's checksum is
+memory to the file (with write-behind: see ``diskio``). A tensor that is not contiguous, not on the CPU, or to be
+stored as another type (:class:`StoredAs`) is converted chunk by chunk into one reused buffer of ``_CHUNK_BYTES``:
+that buffer is the save's peak extra memory; the file is never assembled in memory. Each tensor's checksum is
 computed as it streams (see ``checksums``) and written into the planned record before the commit, which is atomic
 (see ``atomic``).
 
@@ -20,7 +21,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
 
@@ -29,7 +30,7 @@ import numpy as np
 from ..errors import CheckpointSaveError
 from . import atomic
 from . import checksums as _checksums
-from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue, Tensor
+from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue, StoredAs, Tensor
 from .diskio import BEHIND_BYTES, WriteBehind
 from .dtypes import DataType, from_numpy, from_torch
 from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
@@ -40,9 +41,8 @@ from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, Che
 
 ExternalData = Literal["auto", "never", "params", "all"]
 
-_STAGE_BYTES = 4 << 20  # small pieces are gathered up to this size before a write
 _IOV_MAX = 1024  # pieces per writev (POSIX's minimum IOV_MAX is 16; Linux, macOS and the BSDs allow 1024)
-_CHUNK_BYTES = 16 << 20  # bound on the copy of a non-contiguous or off-CPU tensor held at once
+_CHUNK_BYTES = 16 << 20  # bound on one converted chunk (a non-contiguous, off-CPU or StoredAs tensor)
 _INT64 = (-(2**63), 2**63 - 1)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -167,6 +167,7 @@ class _Tensors:
     def __init__(self, path: str) -> None:
         self.path = path
         self.entries: list[_Entry] = []
+        self.scratch: np.ndarray | None = None
 
     def add(self, name: str, tensor: Tensor, what: str, checksum_key: str) -> int:
         if not isinstance(name, str) or not name:
@@ -180,69 +181,96 @@ class _Tensors:
         self.entries.append(entry)
         return len(self.entries) - 1
 
-    def chunks(self, key: int) -> Iterator[memoryview]:
-        return _byte_chunks(self.entries[key].source)
+    def chunks(self, key: int) -> Iterator[tuple[memoryview, bool]]:
+        return _byte_chunks(self.entries[key].source, self._scratch)
+
+    def _scratch(self) -> np.ndarray:
+        """The save's one buffer for converted chunks (allocated on first use, then reused)."""
+        if self.scratch is None:
+            self.scratch = np.empty(_CHUNK_BYTES, dtype=np.uint8)
+        return self.scratch
 
 
 def _describe(name: str, tensor: Tensor) -> _Entry:
-    if _is_torch(tensor):
+    stored = tensor.dtype if isinstance(tensor, StoredAs) else None
+    source = tensor.tensor if isinstance(tensor, StoredAs) else tensor
+    if _is_torch(source):
         import torch
 
-        if tensor.layout != torch.strided or tensor.is_quantized:
-            raise TypeError(f"only dense, unquantized tensors can be saved (this one is {tensor.layout})")
-        dtype = from_torch(tensor.dtype)
-        dims = tuple(tensor.shape)
-        return _Entry(name, dtype, dims, tensor.numel() * dtype.itemsize, tensor)
-    array = np.asarray(tensor)
-    dtype = from_numpy(array.dtype)
+        if source.layout != torch.strided or source.is_quantized:
+            raise TypeError(f"only dense, unquantized tensors can be saved (this one is {source.layout})")
+        dtype = stored or from_torch(source.dtype)
+        return _Entry(name, dtype, tuple(source.shape), source.numel() * dtype.itemsize, tensor)
+    array = np.asarray(source)
+    dtype = stored or from_numpy(array.dtype)
     if dtype is DataType.STRING:
         strings = [s.decode("utf-8") if isinstance(s, bytes) else str(s) for s in array.reshape(-1).tolist()]
         return _Entry(name, dtype, array.shape, 0, array, strings)
-    return _Entry(name, dtype, array.shape, array.size * dtype.itemsize, array)
+    return _Entry(name, dtype, array.shape, array.size * dtype.itemsize,
+                  array if stored is None else StoredAs(array, stored))
 
 
 def _is_torch(obj: Any) -> bool:
     return type(obj).__module__.startswith("torch")
 
 
-def _byte_chunks(tensor: Any) -> Iterator[memoryview]:
-    """The tensor's bytes in C order, straight from its memory when it is a contiguous CPU tensor."""
-    if _is_torch(tensor):
-        yield from _torch_chunks(tensor)
+def _byte_chunks(tensor: Any, scratch: Callable[[], np.ndarray]) -> Iterator[tuple[memoryview, bool]]:
+    """The tensor's bytes in C order as stored (little-endian, converted to a ``StoredAs`` type), each with whether
+    it lies in ``scratch`` memory: straight from the tensor's memory when it is a contiguous CPU tensor of that
+    type (not scratch), else converted chunk by chunk into the one ``_CHUNK_BYTES`` scratch buffer of the save,
+    which the next chunk overwrites (so the caller writes each before it asks for the next)."""
+    stored = tensor.dtype if isinstance(tensor, StoredAs) else None
+    source = tensor.tensor if isinstance(tensor, StoredAs) else tensor
+    if _is_torch(source):
+        yield from _torch_chunks(source, stored, scratch)
         return
-    array = np.asarray(tensor)
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
+    array = np.asarray(source)
+    out = stored.to_numpy() if stored is not None else array.dtype.newbyteorder("<")
     if array.size == 0:
         return
-    if array.flags.c_contiguous:
-        yield memoryview(array.reshape(-1).view(np.uint8))
+    if array.flags.c_contiguous and array.dtype == out:
+        yield memoryview(array.reshape(-1).view(np.uint8)), False
         return
-    for part in _row_slices(array.shape, array.itemsize):
-        yield memoryview(np.ascontiguousarray(array[part]).reshape(-1).view(np.uint8))
+    buf = scratch()
+    for part in _parts(array, out.itemsize):
+        dst = buf[:part.size * out.itemsize]
+        np.copyto(dst.view(out).reshape(part.shape), part)
+        yield memoryview(dst), True
 
 
-def _torch_chunks(tensor: Any) -> Iterator[memoryview]:
+def _torch_chunks(tensor: Any, stored: DataType | None,
+                  scratch: Callable[[], np.ndarray]) -> Iterator[tuple[memoryview, bool]]:
     import torch
 
     t = tensor.detach()
     if t.numel() == 0:
         return
-    t = t.resolve_conj().resolve_neg()
-    if t.device.type == "cpu" and t.is_contiguous():
-        yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    out = stored.to_torch() if stored is not None else t.dtype
+    if t.device.type == "cpu" and t.is_contiguous() and t.dtype == out and not (t.is_conj() or t.is_neg()):
+        yield memoryview(t.reshape(-1).view(torch.uint8).numpy()), False
         return
-    for part in _row_slices(tuple(t.shape), t.element_size()):
-        yield memoryview(t[part].to("cpu", memory_format=torch.contiguous_format).contiguous()
-                         .reshape(-1).view(torch.uint8).numpy())
+    buf = torch.from_numpy(scratch())
+    for part in _parts(t, out.itemsize):
+        dst = buf[:part.numel() * out.itemsize]
+        dst.view(out).view(part.shape).copy_(part)  # converts the type, gathers strides, resolves conj/neg views
+        yield memoryview(dst.numpy()), True
 
 
-def _row_slices(shape: tuple[int, ...], itemsize: int) -> Iterator[slice]:
-    """Slices along the first dimension, each at most ``_CHUNK_BYTES`` (or one row)."""
-    row_bytes = math.prod(shape[1:]) * itemsize
+def _parts(t: Any, itemsize: int) -> Iterator[Any]:
+    """Pieces of a tensor or array that cover it in C order, each at most ``_CHUNK_BYTES`` once converted to
+    ``itemsize`` bytes per element: runs of rows of the first dimension, or, for a row larger than that, the
+    pieces of each row in turn (so a ``(1, n)`` view or a huge row is never copied whole)."""
+    if t.ndim == 0:
+        yield t.reshape(1)
+        return
+    row_bytes = math.prod(t.shape[1:]) * itemsize
+    if row_bytes > _CHUNK_BYTES and t.ndim > 1:
+        for i in range(t.shape[0]):
+            yield from _parts(t[i], itemsize)
+        return
     rows = max(1, _CHUNK_BYTES // max(row_bytes, 1))
-    for start in range(0, shape[0], rows):
-        yield slice(start, start + rows)
+    for start in range(0, t.shape[0], rows):
+        yield t[start:start + rows]
 
 
 # -- planning ---------------------------------------------------------------------------------------------------
@@ -539,12 +567,18 @@ class _Hashing:
     def feed(self, key: int) -> None:
         """Hash tensor ``key`` without writing it (a tensor of a linked ``.data``: confirms it is unchanged)."""
         h = self.start(key)
-        for chunk in self.tensors.chunks(key):
+        for chunk, scratch in self.tensors.chunks(key):
             self.update(h, chunk)
+            if scratch:  # the next chunk overwrites this one
+                self.drain()
 
-    def digests(self) -> dict[str, int]:
+    def drain(self) -> None:
+        """Wait until every update given to the helper thread is hashed (before the memory it reads is reused)."""
         if self._queue is not None:
             self._queue.join()
+
+    def digests(self) -> dict[str, int]:
+        self.drain()
         return {e.checksum_key: (self.hashers.get(e.checksum_key)  # a tensor without bytes streams no blob
                                  or _checksums.hasher(int(e.dtype), tuple(e.dims))).intdigest()
                 for e in self.tensors.entries if e.checksum_key is not None}
@@ -574,9 +608,13 @@ class _Hashing:
 
 
 class _Writer:
-    """Writes one file's pieces in order, each from its own memory: small pieces are gathered by reference and
-    written together with one ``writev`` (copying them into a staging buffer cost a copy and, per flush, a fresh
-    allocation whose first touch is slow on VMs); large tensor chunks are written directly; with write-behind."""
+    """Writes one file's pieces in order, each from its own memory, in steps that end on multiples of
+    ``BEHIND_BYTES`` of the file: pieces (metadata, whole small tensors, the part of a large one up to the step's end)
+    are gathered by reference and written with one ``writev`` per step, and the write-behind then sends that step to
+    the disk (a chunk converted into the save's scratch buffer is written at once: the next chunk reuses it).
+    Writing each tensor by itself, with writes that end anywhere, took 1.5x the time of one buffer written in the
+    same steps; gathered on step boundaries it takes the same (docs/performance.md). No byte is copied, so no fresh
+    memory is touched (a staging buffer cost a copy and, on VMs, slow first touches)."""
 
     def __init__(self, out: BinaryIO, hashing: _Hashing) -> None:
         self.out = out
@@ -588,25 +626,17 @@ class _Writer:
         self.fd = _fileno(out)  # None: a file object of another file system (fsspec), written with plain writes
 
     def small(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        if not view:
-            return
-        self.pending.append(view)
-        self.pending_bytes += len(view)
-        if self.pending_bytes >= _STAGE_BYTES or len(self.pending) >= _IOV_MAX:
-            self._flush()
+        self._add(memoryview(data).cast("B"), None)
 
     def blob(self, tensors: _Tensors, key: int) -> None:
         seen = 0
         h = self.hashing.start(key)
-        for chunk in tensors.chunks(key):
+        for chunk, scratch in tensors.chunks(key):
             seen += chunk.nbytes
-            if chunk.nbytes < _STAGE_BYTES:
-                self.hashing.update(h, chunk)
-                self.small(chunk)
-            else:
+            self._add(chunk.cast("B"), h)
+            if scratch:  # the next chunk overwrites this one: write and hash it first
                 self._flush()
-                self._write(chunk, h)
+                self.hashing.drain()
         entry = tensors.entries[key]
         if seen != entry.nbytes:
             raise CheckpointSaveError(f"tensor {entry.name!r} changed size while it was being saved "
@@ -616,39 +646,37 @@ class _Writer:
         self._flush()
         return self.total
 
+    def _add(self, view: memoryview, h: Any) -> None:
+        """Gather ``view`` up to the step's end (hashing each part as it is gathered, large parts on the helper
+        thread while the step before is written), writing every step that fills."""
+        while view:
+            part = view[:BEHIND_BYTES - (self.total + self.pending_bytes) % BEHIND_BYTES]
+            view = view[len(part):]
+            self.hashing.update(h, part)
+            self.pending.append(part)
+            self.pending_bytes += len(part)
+            if (self.total + self.pending_bytes) % BEHIND_BYTES == 0:
+                self._flush()
+
     def _flush(self) -> None:
         views, self.pending, self.pending_bytes = self.pending, [], 0
         if not hasattr(os, "writev") or portable_io() or self.fd is None:  # Windows, the portable path, fsspec
             for view in views:
-                self._write(view)
-            return
-        fd, first = self.fd, 0
-        while first < len(views):
-            n = os.writev(fd, views[first:])
-            if n == 0:
-                raise OSError(errno.EIO, "the file accepted no more bytes", self.out.name)
-            self._wrote(n)
-            while n and n >= len(views[first]):  # a short write (rare on regular files): go on after it
-                n -= len(views[first])
-                first += 1
-            if n:
-                views[first] = views[first][n:]
-
-    def _write(self, data: memoryview, h: Any = None) -> None:
-        data = data.cast("B")
-        bounded = self.behind is not None or h is not None or self.fd is None  # an upload buffers each write
-        step = BEHIND_BYTES if bounded else len(data)
-        hashed = 0
-        while data:
-            if hashed < step:  # hash each step (on the helper thread) while it is written
-                self.hashing.update(h, data[hashed:step])
-                hashed = min(step, len(data))
-            n = self.out.write(data[:step])
-            data = data[n:]
-            hashed -= n
-            self._wrote(n)
-
-    def _wrote(self, n: int) -> None:
-        self.total += n
+                while view:
+                    n = self.out.write(view)
+                    view = view[n:]
+                    self.total += n
+        else:
+            fd, first = self.fd, 0
+            while first < len(views):
+                n = os.writev(fd, views[first:first + _IOV_MAX])
+                if n == 0:
+                    raise OSError(errno.EIO, "the file accepted no more bytes", self.out.name)
+                self.total += n
+                while n and n >= len(views[first]):  # a short write (rare on regular files): go on after it
+                    n -= len(views[first])
+                    first += 1
+                if n:
+                    views[first] = views[first][n:]
         if self.behind is not None:
             self.behind.advance(self.total)

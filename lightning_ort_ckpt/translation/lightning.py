@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointWarning, CorruptCheckpointError
-from ..format import GROUP_ZERO, Checkpoint, OptimizerGroup
+from ..format import GROUP_ZERO, Checkpoint, DataType, OptimizerGroup, StoredAs
 from . import FORMAT, MANIFEST, optimizers, values
 from .counters import check_counters
 
@@ -114,10 +114,10 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
     out = Checkpoint()
     cast: dict[str, str] = {}
 
-    def store(t: torch.Tensor, where: str) -> torch.Tensor:
+    def store(t: torch.Tensor, where: str) -> torch.Tensor | StoredAs:
         if ort_compatible and t.dtype in _NARROW_FLOATS:
             cast[where] = str(t.dtype).removeprefix("torch.")
-            return t.to(torch.float32)
+            return StoredAs(t, DataType.FLOAT)  # converted chunk by chunk as it is written: no whole float32 copy
         return t
 
     state_dict = checkpoint.get("state_dict", {})
