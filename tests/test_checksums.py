@@ -251,7 +251,9 @@ def test_resume_last_falls_back_past_damage(tmp_path, damage):
 
 
 def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch):
-    """Large checkpoints are verified on two threads; a damaged tensor in either thread's half is named."""
+    """Large checkpoints are verified on a second thread: a full load hashes each tensor there as soon as it is
+    read, and the lazy ``verify()`` splits the tensors between two threads. A damaged tensor anywhere (the first,
+    the second, the last read) is named by both."""
     from lightning_ort_ckpt.format import reader as reader_mod
 
     monkeypatch.setattr(reader_mod, "_PARALLEL_VERIFY_BYTES", 0)
@@ -261,10 +263,13 @@ def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch)
     original = path.read_bytes()
     with open_checkpoint(path) as reader:
         infos = [(reader._keys[id(i)], i.offset) for i in reader.tensors() if i.nbytes]
-    for key, offset in infos[:2]:  # the first tensor of each thread's half
+    for key, offset in [*infos[:2], infos[-1]]:
         flip(path, offset)
         with pytest.raises(CorruptCheckpointError, match=re.escape(repr(key.split(":", 1)[1]))):
             load_checkpoint(path)
+        with pytest.raises(CorruptCheckpointError, match=re.escape(repr(key.split(":", 1)[1]))):
+            with open_checkpoint(path) as reader:
+                reader.verify()
         path.write_bytes(original)
 
 

@@ -14,6 +14,7 @@ torch is imported only when tensors are requested; metadata and numpy access wor
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import mmap
@@ -238,7 +239,9 @@ class CheckpointReader:
         Each tensor is read from the file straight into memory of its own, in file order (``diskio.read_range``):
         no buffer ever holds the whole file, and a tensor kept alive keeps only its own bytes alive (the optimizer
         moments torch keeps after a resume do not keep the parameters' bytes with them). With ``verify`` every
-        tensor is checked against its recorded checksum before any is handed out.
+        tensor is checked against its recorded checksum before any is handed out; for a large checkpoint each
+        tensor is hashed on a second thread as soon as it is read, while this one reads the next (the hash and the
+        reads release the GIL), so verification hides under the reads instead of following them.
         """
         stored = sorted((i for i in self.tensors() if i.storage in ("inline", "external")),
                         key=lambda i: (i.storage, i.offset))
@@ -246,16 +249,28 @@ class CheckpointReader:
             if info.storage == before.storage and info.offset < before.offset + before.nbytes:
                 raise self._fail(f"{info.kind} tensor {info.name!r} shares bytes with {before.kind} tensor "
                                  f"{before.name!r}; no checkpoint is written that way: it is damaged")
+        overlap = (verify and self.checksums is not None and self.checksums.usable
+                   and sum(i.nbytes for i in stored) >= _PARALLEL_VERIFY_BYTES)
+        hashing = concurrent.futures.ThreadPoolExecutor(1, "ort-ckpt-verify") if overlap else None
         try:
+            pending = []
             for info in stored:
                 self._own[id(info)] = (read_range(self._fd, info.offset, info.nbytes, self.path)
                                        if info.storage == "inline"
                                        else read_range(self._data_fd(), info.offset, info.nbytes, self.data_path))
+                if hashing is not None:
+                    pending.append(hashing.submit(self.verify_tensor, info))
+                    if pending[0].done():  # a damaged tensor stops the load at once, not after the last read
+                        pending.pop(0).result()
+            for done in pending:
+                done.result()
             if verify:
-                self.verify()
+                self.verify()  # what is left: everything for a small checkpoint, nothing for a large one
             fresh = {id(i): self.numpy(i) if i.storage == "strings" else self._empty(i) if i.storage == "none"
                      else self.torch(i) for i in self.tensors()}
         finally:
+            if hashing is not None:
+                hashing.shutdown(cancel_futures=True)
             self._own.clear()  # the tensors hold their memory now; a reader kept open must not
         return Checkpoint(
             trainable={n: fresh[id(i)] for n, i in self.trainable.items()},
