@@ -84,7 +84,7 @@ class OrtCheckpointMixin:
         async_save: bool = False,
         external_data: ExternalData = "auto",
         ort_compatible: bool = False,
-        share_frozen: bool | Literal["verified"] = True,
+        share_frozen: bool | Literal["trusted"] = True,
         export_best_to: str | os.PathLike[str] | None = None,
         export_tolerance: float = 1e-5,
         storage_options: StorageOptions | None = None,

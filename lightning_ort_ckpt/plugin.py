@@ -70,24 +70,26 @@ class OrtCheckpointIOMixin:
         async_save: write in the background; training goes on once the tensors are copied off its memory.
         share_frozen: frozen tensors (``requires_grad=False`` parameters, buffers) that did not change since the
             previous save to the same local directory are not written again: the new file's ``.data`` is a hard
-            link to the previous one's (see ``sharing``). Only with ``external_data="auto"``, and never for URLs. On
-            by default; ``"verified"`` also hashes the shared frozen parameters at every save (a write through
-            ``.data`` is caught; costs a read of them per save), ``False`` turns sharing off.
+            link to the previous one's (see ``sharing``), after the linked tensors are hashed against the checksums
+            recorded with it (a write torch cannot see, through ``.data``, is caught). Only with
+            ``external_data="auto"``, and never for URLs. On by default; ``"trusted"`` takes frozen parameters on
+            torch's version counter without hashing them (a write through ``.data`` then goes unseen), ``False``
+            turns sharing off.
         storage_options: fsspec's options for checkpoint URLs (``s3://...``; credentials, ``client_kwargs``...),
             see ``format.storage``; a ``storage_options`` Lightning passes to a save is merged over them.
     """
 
     def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False,
-                 async_save: bool = False, share_frozen: bool | Literal["verified"] = True,
+                 async_save: bool = False, share_frozen: bool | Literal["trusted"] = True,
                  storage_options: StorageOptions | None = None) -> None:
-        if share_frozen not in (True, False, "verified"):
-            raise ValueError(f'share_frozen must be True, False or "verified", got {share_frozen!r}')
+        if share_frozen not in (True, False, "trusted"):
+            raise ValueError(f'share_frozen must be True, False or "trusted", got {share_frozen!r}')
         self.external_data = external_data
         self.ort_compatible = ort_compatible
         self.async_save = async_save
         self.share_frozen = share_frozen
         self.storage_options = storage_options
-        self._sharing = sharing.FrozenSharing(verify_parameters=share_frozen == "verified")
+        self._sharing = sharing.FrozenSharing(trust_parameters=share_frozen == "trusted")
         self._worker: _Worker | None = None
         self._stager = staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
@@ -95,7 +97,7 @@ class OrtCheckpointIOMixin:
     def __getstate__(self) -> dict[str, Any]:
         """The settings only (a spawn launcher pickles the Trainer): no thread, buffers or owner."""
         return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None,
-                "_sharing": sharing.FrozenSharing(self.share_frozen == "verified")}
+                "_sharing": sharing.FrozenSharing(self.share_frozen == "trusted")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

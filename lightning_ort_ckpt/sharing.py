@@ -8,13 +8,14 @@ the same plugin to the same directory, and remembers what each save put in its `
 Change is detected by torch first: the live module tensor (the very object, held weakly), its memory
 (``data_ptr``, shape, strides, dtype, device) and its version counter, which in-place operations bump
 (``load_state_dict``'s copies, ``optimizer.step``, ``torch.no_grad()`` edits). A tensor that differs in any of these
-is written fresh. Buffers are then confirmed by content: the writer hashes them while it writes the rest and
-compares with the checksums recorded when the shared ``.data`` was written, because BatchNorm's kernels update its
-running statistics in place without bumping the counter; a buffer found changed that way is never shared again.
-Frozen parameters are trusted on torch's word by default: hashing them all at every save cost up to about 0.1 s per
-GB on the benchmark machine under load, past the 1.5x budget of issue #16 (see docs/performance.md); with
-``verify_parameters`` (``share_frozen="verified"``) they are hashed too, which also catches a write through
-``tensor.data`` (it bypasses the version counter), and such a parameter gets a fresh ``.data``.
+is written fresh. What torch calls unchanged is then confirmed by content: the writer hashes the tensors it links
+on a helper thread while it writes the rest, and compares with the checksums recorded when the shared ``.data`` was
+written. That catches what the counter misses: BatchNorm's kernels update its running statistics in place without
+bumping it (a buffer found changed that way is never shared again), and a write through ``tensor.data`` bypasses it
+(such a parameter gets a fresh ``.data``). A file never holds a frozen tensor other than the one saved. With
+``trust_parameters`` (``share_frozen="trusted"``) frozen parameters are taken on torch's word and not hashed: a
+little faster on a busy machine (hashing 1 GB at every save cost up to 0.1 s there, docs/performance.md), but a
+write through ``.data`` then goes unseen and the file keeps the old bytes.
 
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a
@@ -89,8 +90,8 @@ class _Record:
 class FrozenSharing:
     """The sharing state of one plugin: the last save call's snapshot and the last save's record, per directory."""
 
-    def __init__(self, verify_parameters: bool = False) -> None:
-        self.verify_parameters = verify_parameters
+    def __init__(self, trust_parameters: bool = False) -> None:
+        self.trust_parameters = trust_parameters
         self._calls: dict[str, Snapshot] = {}
         self._records: dict[str, _Record] = {}
         # tensors found changed although their version was not (BatchNorm's running statistics: its kernels update
@@ -154,7 +155,7 @@ class FrozenSharing:
             source = _source(record)
             if source is not None and shared_bytes * 2 >= record.identity[2] and shared_bytes >= MIN_TOTAL_BYTES:
                 keys = [param_key(n) for n in same]
-                trusted = frozenset() if self.verify_parameters else frozenset(snap.params & same.keys())
+                trusted = frozenset(snap.params & same.keys()) if self.trust_parameters else frozenset()
                 return SharedFrozen(same, source, record.identity,
                                     {k: record.digests[k] for k in keys if k in record.digests}, trusted)
         names = set(snap.live) - self._volatile  # a fresh .data
