@@ -23,7 +23,7 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
 - **Asynchronous saving** (``async_save=True``): training goes on while the file is written; see OrtCheckpointIO.
 - **Remote ``dirpath``** (``s3://...``, any fsspec URL, with ``storage_options``): files are uploaded whole or not at
   all (``format.storage``), listed and deleted on the store; ``save_last="link"``, which ModelCheckpoint refuses
-  there, becomes a copy.
+  there, becomes a copy. A ``file://`` URL is the local path it names (ModelCheckpoint makes a folder ``file:``).
 - **"last" falls back**: ``ckpt_path="last"`` resumes from the newest checkpoint in ``dirpath`` that can resume a
   fit, skipping (with a warning) unreadable and weights-only files.
 - **Exact resume from any save point**: the random states are applied again at ``on_train_start`` when a checkpoint
@@ -102,6 +102,7 @@ class OrtCheckpointMixin:
                     "train_time_interval": train_time_interval}
         given = {k: v for k, v in triggers.items() if v is not None}
         first = dict(list(given.items())[:1])
+        dirpath = storage.local_path(dirpath) if dirpath is not None else None  # file:// is the local disk
         super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,  # type: ignore[call-arg]
                          save_last=save_last, save_top_k=save_top_k, save_on_exception=save_on_exception,
                          save_weights_only=save_weights_only or not include_optimizer_state, mode=mode,

@@ -106,7 +106,7 @@ class OrtCheckpointIOMixin:
                         storage_options: Any | None = None) -> None:
         self._raise_background_error()
         options = {**(self.storage_options or {}), **(storage_options or {})}
-        path = os.fspath(path)
+        path = storage.local_path(path)
         strategy = self._owner_strategy(checkpoint.get("state_dict"))
         info = None
         if strategy is not None and strategy.lightning_module is not None:
@@ -138,6 +138,7 @@ class OrtCheckpointIOMixin:
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         self.wait()
+        path = storage.local_path(path)
         if not is_ort_checkpoint(path, self.storage_options):
             torch_io = loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")
             return load_torch_file(torch_io().load_checkpoint, path, map_location, weights_only)
@@ -155,9 +156,9 @@ class OrtCheckpointIOMixin:
         """Delete a checkpoint and its ``.data`` file (after any save still being written)."""
         self._raise_background_error()
         if self.async_save:
-            self._run_later(storage.remove, os.fspath(path), self.storage_options)
+            self._run_later(storage.remove, storage.local_path(path), self.storage_options)
         else:
-            storage.remove(os.fspath(path), self.storage_options)
+            storage.remove(storage.local_path(path), self.storage_options)
 
     def link(self, target: str | os.PathLike[str], linkpath: str | os.PathLike[str]) -> None:
         """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable; on a

@@ -210,6 +210,22 @@ def test_resume_from_last_in_the_store_is_bitwise_the_uninterrupted_run(store: S
     assert_nothing_local(tmp_path)
 
 
+def test_file_urls_are_the_local_paths_they_name(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dirpath="file:///..."`` saves to that folder with the local disk's commit (ModelCheckpoint alone would make a
+    folder named ``file:`` in the working directory), and ``ckpt_path="file:///..."`` resumes from it."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    callback = OrtCheckpoint(dirpath=f"file://{run}", filename="{step}", save_last=True)
+    model = ENTRY.build(0)
+    fit(model, [callback], max_epochs=1)
+    assert callback.last_model_path == str(run / "last.ckpt")
+    assert sorted(os.listdir(run)) == ["last.ckpt", "step=4.ckpt"] and not (tmp_path / "file:").exists()
+    resumed = ENTRY.build(7)
+    trainer = fit(resumed, [OrtCheckpoint(dirpath=f"file://{run}")], ckpt_path=f"file://{run}/last.ckpt",
+                  max_epochs=2)
+    assert trainer.global_step == 8 and not (tmp_path / "file:").exists()
+
+
 def test_save_last_link_is_a_copy_in_the_store(store: Store) -> None:
     callback = OrtCheckpoint(dirpath=store.root, filename="{step}", every_n_train_steps=2, save_top_k=-1,
                              save_last="link", storage_options=store.options)

@@ -3,7 +3,8 @@
 One small interface for the layers above, by path or URL and fsspec ``storage_options``: :func:`save`, :func:`fetched`
 (a local file to read), :func:`remove`, :func:`link_or_copy`, :func:`exists`, :func:`modified`, :func:`list_files`
 and :func:`read_head`. A local path (no ``protocol://``) goes exactly where it went before: the
-journaled atomic commit of ``atomic``, plain ``os`` calls. fsspec is imported only for a URL.
+journaled atomic commit of ``atomic``, plain ``os`` calls; a ``file://`` URL is that local path (:func:`local_path`,
+applied where paths come in). fsspec is imported only for a URL.
 
 An object store has no rename and no fsync, so a remote save streams the file to its final name, and the store makes
 it appear whole or not at all: S3 (like GCS and Azure) publishes an upload only when it is completed, which happens
@@ -56,6 +57,14 @@ def is_remote(path: str | os.PathLike[str] | None) -> bool:
     from fsspec.utils import get_protocol
 
     return get_protocol(text) not in _LOCAL_PROTOCOLS
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """``path``, with a URL of the local file system (``file:///tmp/run``) turned into the path it names
+    (``/tmp/run``), so that it gets the local disk's atomic commit and links (Lightning's ``ModelCheckpoint`` would
+    make a folder named ``file:`` of it)."""
+    text = os.fspath(path)
+    return strip_protocol(text) if _URL.search(text) and not is_remote(text) else text
 
 
 def strip_protocol(url: str) -> str:
