@@ -226,8 +226,12 @@ def _read_cached(fd: int, view: memoryview, base: int, pos: int, end: int, path:
     ``end`` or the first page it does not hold, and drop what was copied from the cache; the new pos."""
     start = pos
     while pos < end:
+        # One page first: a read that misses the cache still starts the kernel's readahead of its window (8 MiB
+        # here), which would then be copied through the cache instead of read directly (a cold 1.2 GB load: 1.1 s
+        # against 0.35 s for the direct reads alone).
+        stop = min(pos + _DIRECT_ALIGN, end) if pos == start else end
         try:
-            n = os.preadv(fd, [view[pos - base:end - base]], pos, os.RWF_NOWAIT)
+            n = os.preadv(fd, [view[pos - base:stop - base]], pos, os.RWF_NOWAIT)
         except BlockingIOError:  # the next page is not cached
             break
         if n == 0:
