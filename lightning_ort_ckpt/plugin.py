@@ -164,10 +164,11 @@ class OrtCheckpointIOMixin:
         """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable; on a
         store without links (``s3://``...), a copy of it."""
         self._raise_background_error()
+        target, linkpath = storage.local_path(target), storage.local_path(linkpath)
         if self.async_save:
-            self._run_later(storage.link_or_copy, os.fspath(target), os.fspath(linkpath), self.storage_options)
+            self._run_later(storage.link_or_copy, target, linkpath, self.storage_options)
         else:
-            storage.link_or_copy(os.fspath(target), os.fspath(linkpath), self.storage_options)
+            storage.link_or_copy(target, linkpath, self.storage_options)
 
     def wait(self) -> None:
         """Block until background work is done; raise the first error it met."""

@@ -224,6 +224,8 @@ def test_file_urls_are_the_local_paths_they_name(tmp_path: Any, monkeypatch: pyt
     trainer = fit(resumed, [OrtCheckpoint(dirpath=f"file://{run}")], ckpt_path=f"file://{run}/last.ckpt",
                   max_epochs=2)
     assert trainer.global_step == 8 and not (tmp_path / "file:").exists()
+    OrtCheckpointIO().link(f"file://{run}/step=4.ckpt", f"file://{run}/alias.ckpt")  # the plugin, called directly
+    assert os.path.islink(run / "alias.ckpt") and not (tmp_path / "file:").exists()
 
 
 def test_save_last_link_is_a_copy_in_the_store(store: Store) -> None:
