@@ -179,7 +179,7 @@ def format_level(frozen_m: float, directory: str, reps: int = 5) -> dict[str, li
     whole = Checkpoint(trainable={"head": head}, frozen=frozen, optimizer_groups={"group0": group})
     alone = Checkpoint(trainable={"head": head}, optimizer_groups={"group0": group})
     first_path = os.path.join(directory, "first.ckpt")
-    first = save_checkpoint(whole, first_path, shared=SharedFrozen({name: -1 for name in frozen}))
+    first = save_checkpoint(whole, first_path, shared=SharedFrozen.fresh(frozen))
     assert first is not None
     linked = SharedFrozen(dict(first.offsets), first_path + ".data", first.identity, dict(first.digests))
     trusting = replace(linked, trusted=frozenset(frozen))

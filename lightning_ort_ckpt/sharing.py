@@ -161,7 +161,7 @@ class FrozenSharing:
         names = set(snap.live) - self._volatile  # a fresh .data
         if sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in names) < MIN_TOTAL_BYTES:
             return None
-        return SharedFrozen({n: -1 for n in names})
+        return SharedFrozen.fresh(names)
 
     def _remember(self, path: str, snap: Snapshot, saved: SavedData, record: _Record | None) -> _Record:
         sources = [data_path(os.path.abspath(path))]

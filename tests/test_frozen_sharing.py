@@ -412,7 +412,7 @@ def test_a_linked_save_writes_only_the_main_file(tmp_path: Path) -> None:
     assert sorted(caught.value.names) == ["backbone.0.weight", "backbone.1.weight"]
     atomic.wait_for_cleanup()
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "a.ckpt.data", "b.ckpt", "b.ckpt.data"]
-    third = save_checkpoint(changed, c, shared=linked_spec(first, str(a) + ".data").fresh())
+    third = save_checkpoint(changed, c, shared=SharedFrozen.fresh(first.offsets))
     assert third is not None and not third.linked and third.identity[1] != first.identity[1]
     assert_same_checkpoint(load_checkpoint(c), load_checkpoint_expected(3, 7))
     assert_same_checkpoint(load_checkpoint(a), load_checkpoint_expected(1))

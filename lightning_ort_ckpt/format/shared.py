@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointSaveError
@@ -39,7 +39,7 @@ class SharedFrozen:
     differ raises :class:`NotShared` (nothing is committed), unless ``changed_since_asked`` says it changed only
     after the save was asked for (an asynchronous save reading the live tensor: the linked bytes are then the right
     ones). Where the link cannot be made (another file system, no hard links) it raises :class:`NotShared` before
-    writing anything. Either way the caller saves again with :meth:`fresh`.
+    writing anything. Either way the caller saves again with a :meth:`fresh` one.
     """
 
     names: dict[str, int]
@@ -49,9 +49,10 @@ class SharedFrozen:
     trusted: frozenset[str] = frozenset()
     changed_since_asked: Callable[[str], bool] | None = None
 
-    def fresh(self) -> SharedFrozen:
-        """The same tensors, written to a fresh ``.data``."""
-        return SharedFrozen({n: -1 for n in self.names})
+    @classmethod
+    def fresh(cls, names: Iterable[str]) -> SharedFrozen:
+        """The tensors ``names``, written to a fresh ``.data``."""
+        return cls({n: -1 for n in names})
 
 
 @dataclass(frozen=True)
