@@ -56,10 +56,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import rng, staging
-from lightning_ort_ckpt.format import atomic
-from lightning_ort_ckpt.plugin import RNG_KEY, OrtCheckpointIO
-from lightning_ort_ckpt.translation.lightning import ModuleInfo, to_ort
+from lightning_ort_ckpt import _rng as rng, _staging as staging
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt._plugin import RNG_KEY, OrtCheckpointIO
+from lightning_ort_ckpt._translation.lightning_dict import ModuleInfo, to_ort
 
 WIDTH = 512
 BATCH = 16

@@ -12,7 +12,7 @@ the oldest rotates out) and ``save_last=True`` (a copy, itself a save). Four run
 * **sharing**: ``OrtCheckpoint(share_frozen=True)`` (the default): unchanged frozen tensors stay in a ``.data`` file
   that later saves hard-link, each save hashing what it links against the recorded checksums;
 * **trusted**: ``share_frozen="trusted"``: the same, but frozen parameters are taken on torch's version counters
-  without the hash (see ``lightning_ort_ckpt.sharing``);
+  without the hash (see ``lightning_ort_ckpt._sharing``);
 * **whole**: ``OrtCheckpoint(share_frozen=False)``: every save writes every byte (one file while it fits);
 * **lightning**: Lightning's own ``ModelCheckpoint`` with its default ``TorchCheckpointIO`` (``torch.save``; no fsync,
   so its times are not durable ones).
@@ -50,8 +50,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, atomic, save_checkpoint
-from lightning_ort_ckpt.format.shared import SharedFrozen
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, save_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt.format._shared_data import SharedFrozen
 
 WIDTH = 1024
 
@@ -156,7 +157,7 @@ def trainable_alone(model: FineTune, trainer: pl.Trainer, directory: str) -> flo
     states = {n: {m: opt.state[p].get(k, torch.zeros_like(p)) for m, k in (("momentum0", "exp_avg"),
                                                                           ("momentum1", "exp_avg_sq"))}
               for n, p in params.items()}
-    ck = Checkpoint(trainable=params, optimizer_groups={"group0": OptimizerGroup(trainer.global_step, 1e-3, states)})
+    ck = CheckpointContents(trainable=params, optimizer_groups={"group0": OptimizerGroup(trainer.global_step, 1e-3, states)})
     path = os.path.join(directory, "trainable-only.ort")
     atomic.wait_for_cleanup()
     t0 = time.perf_counter()
@@ -176,8 +177,8 @@ def format_level(frozen_m: float, directory: str, reps: int = 5) -> dict[str, li
     n = int(frozen_m * 1e6 * 0.05)
     head = torch.randn(n, generator=g)
     group = OptimizerGroup(1, 1e-3, {"head": {"momentum0": torch.randn(n, generator=g), "momentum1": torch.rand(n)}})
-    whole = Checkpoint(trainable={"head": head}, frozen=frozen, optimizer_groups={"group0": group})
-    alone = Checkpoint(trainable={"head": head}, optimizer_groups={"group0": group})
+    whole = CheckpointContents(trainable={"head": head}, frozen=frozen, optimizer_groups={"group0": group})
+    alone = CheckpointContents(trainable={"head": head}, optimizer_groups={"group0": group})
     first_path = os.path.join(directory, "first.ckpt")
     first = save_checkpoint(whole, first_path, shared=SharedFrozen.fresh(frozen))
     assert first is not None

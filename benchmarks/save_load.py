@@ -149,10 +149,10 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 def as_ours(state: dict[str, Any]) -> Any:
-    from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup
+    from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup
 
     states = {n: {"momentum0": state["exp_avg"][n], "momentum1": state["exp_avg_sq"][n]} for n in state["params"]}
-    return Checkpoint(trainable=dict(state["params"]), frozen=dict(state["buffers"]),
+    return CheckpointContents(trainable=dict(state["params"]), frozen=dict(state["buffers"]),
                       optimizer_groups={"group0": OptimizerGroup(STEP, 1e-3, states)},
                       properties={"epoch": 3, "global_step": STEP})
 
@@ -189,10 +189,10 @@ def as_flat(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def tensors_in(obj: Any) -> list[Any]:
-    """Every torch tensor in a nested structure (dicts, lists, tuples, our Checkpoint)."""
+    """Every torch tensor in a nested structure (dicts, lists, tuples, our CheckpointContents)."""
     import torch
 
-    from lightning_ort_ckpt.format import Checkpoint
+    from lightning_ort_ckpt.format import CheckpointContents
 
     out: list[Any] = []
     stack = [obj]
@@ -204,7 +204,7 @@ def tensors_in(obj: Any) -> list[Any]:
             stack.extend(o.values())
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
-        elif isinstance(o, Checkpoint):
+        elif isinstance(o, CheckpointContents):
             stack += [o.trainable, o.frozen]
             stack += [g.states for g in o.optimizer_groups.values()]
     return out
@@ -304,7 +304,7 @@ def raw_write_behind(path: str, data: memoryview) -> None:
     """A raw write in steps through our writer's ``WriteBehind`` (each step's writeback started as soon as it is
     written, the step before waited for and dropped from the page cache), then fsync: the floor for that technique
     when the bytes come from one buffer."""
-    from lightning_ort_ckpt.format.diskio import BEHIND_BYTES, WriteBehind
+    from lightning_ort_ckpt.format._diskio import BEHIND_BYTES, WriteBehind
 
     with open(path, "xb", buffering=0) as f:
         behind = WriteBehind.open(f)
@@ -331,7 +331,7 @@ def preimport(method: str) -> None:
 def raw_direct_read(path: str) -> Any:
     """The whole file read with ``O_DIRECT`` (no page cache) in 64 MiB reads, into memory advised for huge pages
     (as our reader allocates it)."""
-    from lightning_ort_ckpt.format.diskio import fresh_memory
+    from lightning_ort_ckpt.format._diskio import fresh_memory
 
     size = os.path.getsize(path)
     blocks = -(-size // 4096) * 4096
@@ -352,7 +352,8 @@ def raw_direct_read(path: str) -> Any:
 def child_save(method: str, n_million: float, path: str, raw_size: int, ours_path: str) -> dict[str, Any]:
     import torch
 
-    from lightning_ort_ckpt.format import atomic, save_checkpoint
+    from lightning_ort_ckpt.format import save_checkpoint
+    from lightning_ort_ckpt.format import _atomic as atomic
 
 
     res: dict[str, Any] = {}
@@ -426,7 +427,7 @@ def child_load(method: str, path: str, cold: bool) -> dict[str, Any]:
 
 
     from lightning_ort_ckpt.format import load_checkpoint, open_checkpoint
-    from lightning_ort_ckpt.format.diskio import fresh_memory
+    from lightning_ort_ckpt.format._diskio import fresh_memory
 
     paths = files_of(method, path)
     if not paths or not os.path.getsize(paths[0]):

@@ -28,7 +28,7 @@ import save_load as sl  # noqa: E402  (the state and the write-behind floor are 
 
 
 def per_tensor(path: str, views: list[memoryview]) -> None:
-    from lightning_ort_ckpt.format.diskio import BEHIND_BYTES, WriteBehind
+    from lightning_ort_ckpt.format._diskio import BEHIND_BYTES, WriteBehind
 
     with open(path, "xb", buffering=0) as f:
         behind, pos = WriteBehind.open(f), 0
@@ -43,7 +43,7 @@ def per_tensor(path: str, views: list[memoryview]) -> None:
 
 def step_aligned(path: str, views: list[memoryview]) -> None:
     """The tensors' bytes through our writer's streaming machinery alone (no planning, metadata or checksums)."""
-    from lightning_ort_ckpt.format.writer import _Hashing, _Tensors, _Writer
+    from lightning_ort_ckpt.format._writer import _Hashing, _Tensors, _Writer
 
     with open(path, "xb", buffering=0) as f:
         writer = _Writer(f, _Hashing(_Tensors(path), enabled=False))

@@ -35,8 +35,8 @@ import torch
 
 from .errors import CheckpointError
 from .format import load_checkpoint, save_checkpoint
-from .plugin import is_ort_checkpoint, read_any_checkpoint
-from .translation.lightning import ModuleInfo, to_ort, trainable_set, with_aliases
+from ._plugin import is_ort_checkpoint, read_any_checkpoint
+from ._translation.lightning_dict import ModuleInfo, to_ort, trainable_set, with_aliases
 
 ORT_MAX_IR_VERSION = 10  # onnxruntime-training 1.19.2
 

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import lightning_compat
+from . import _lightning_adapter
 from .errors import CheckpointError
-from .format import atomic, storage
-from .plugin import read_weights
-from .translation.lightning import with_aliases
+from .format import _atomic, _store
+from ._plugin import read_weights
+from ._translation.lightning_dict import with_aliases
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
 
@@ -95,7 +95,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
                           checkpoint) from e
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     output_names = output_names or ([f"output{i}" for i in range(len(expected))] if len(expected) > 1 else ["output"])
-    source = checkpoint if storage.is_remote(checkpoint) else os.path.abspath(checkpoint)
+    source = checkpoint if _store.is_remote(checkpoint) else os.path.abspath(checkpoint)
     metadata = {"lightning_ort_ckpt.source_checkpoint": source,
                 "lightning_ort_ckpt.global_step": "" if global_step is None else str(global_step),
                 "lightning_ort_ckpt.monitor": monitor or "", "lightning_ort_ckpt.score": "" if score is None else repr(score)}
@@ -112,7 +112,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
             raise ExportError(f"ONNX Runtime's output differs from torch's by up to {diff:.3g}, more than the "
                               f"tolerance {tolerance:g}; nothing was written to {output}", checkpoint)
         if external:
-            os.replace(atomic.data_path(staged), atomic.data_path(output))
+            os.replace(_atomic.data_path(staged), _atomic.data_path(output))
         os.replace(staged, output)
     return ExportReport(output, checkpoint, global_step, monitor, score, diff, tolerance, external)
 
@@ -164,7 +164,7 @@ def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn
     if isinstance(model, type):
         if not hasattr(model, "load_from_checkpoint"):
             raise ExportError(f"{model.__name__} is not a LightningModule class; pass a module instance instead")
-        with lightning_compat.serving(checkpoint, state):  # what was read: the file is not read again
+        with _lightning_adapter.serving(checkpoint, state):  # what was read: the file is not read again
             return model.load_from_checkpoint(checkpoint, map_location="cpu")
     model.load_state_dict(with_aliases(state["state_dict"], model))
     return model
@@ -206,7 +206,7 @@ def _finish_model(path: str, metadata: dict[str, str], external: bool) -> None:
         if leftover != os.path.basename(path):
             os.unlink(os.path.join(os.path.dirname(path), leftover))
     onnx.save_model(model, path, save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=os.path.basename(atomic.data_path(path)), size_threshold=0)
+                    location=os.path.basename(_atomic.data_path(path)), size_threshold=0)
 
 
 def _max_abs_diff(path: str, args: tuple[Any, ...], expected: tuple[Any, ...], input_names: list[str]) -> float:

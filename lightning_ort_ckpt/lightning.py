@@ -8,23 +8,23 @@ of its own copy of Lightning only; ``OrtCheckpoint`` of the other copy raises in
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from .binding import BindCheckpointIOMixin
-from .callback import OrtCheckpointMixin
-from .plugin import OrtCheckpointIOMixin
+from ._binding import BindCheckpointIOMixin
+from ._callback import OrtCheckpointMixin
+from ._plugin import OrtCheckpointIOMixin
 
 
 class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see
-    ``lightning_ort_ckpt.callback``)."""
+    ``lightning_ort_ckpt._callback``)."""
 
 
 class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):
     """``CheckpointIO`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see
-    ``lightning_ort_ckpt.plugin``)."""
+    ``lightning_ort_ckpt._plugin``)."""
 
 
 class BindCheckpointIO(BindCheckpointIOMixin, Callback):
-    """Binds an ``OrtCheckpointIO`` to its ``lightning.pytorch`` Trainer (see ``lightning_ort_ckpt.binding``)."""
+    """Binds an ``OrtCheckpointIO`` to its ``lightning.pytorch`` Trainer (see ``lightning_ort_ckpt._binding``)."""
 
 
 def binding_callbacks() -> list[Callback]:

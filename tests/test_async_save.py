@@ -1,4 +1,4 @@
-"""Asynchronous saving (``lightning_ort_ckpt.staging``): bounded, exact, and loud when a copy would be torn.
+"""Asynchronous saving (``lightning_ort_ckpt._staging``): bounded, exact, and loud when a copy would be torn.
 
 * every file an asynchronous run writes holds exactly the state of its step (the same bytes as a synchronous run's),
   although the parameters and optimizer state are copied while training runs its next forward and backward pass;
@@ -28,8 +28,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import Checkpoint, CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint, staging
-from lightning_ort_ckpt.format import atomic
+from lightning_ort_ckpt import CheckpointContents, CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
+from lightning_ort_ckpt import _staging as staging
+from lightning_ort_ckpt.format import _atomic as atomic
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -94,7 +95,7 @@ sys.path.insert(0, {TESTS_DIR!r})
 from pathlib import Path
 import test_async_save as t
 dirpath, async_save = Path(sys.argv[1]), sys.argv[2] == "1"
-from lightning_ort_ckpt.format.storage import save as save_checkpoint  # what the plugin queues
+from lightning_ort_ckpt.format._store import save as save_checkpoint  # what the plugin queues
 queued = [0]
 def watch():  # how many saves wait in the plugin's queue (not yet being written), sampled while training runs
     while not done.is_set():
@@ -178,7 +179,7 @@ def test_a_step_waits_for_the_copy_after_its_closure_and_before_its_update() -> 
     model = nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     before = model.weight.detach().clone()
-    staged, copy_later = staging.Stager().stage(Checkpoint(trainable={"w": model.weight.detach()}), "x.ckpt",
+    staged, copy_later = staging.Stager().stage(CheckpointContents(trainable={"w": model.weight.detach()}), "x.ckpt",
                                                 staging.optimizer_tensors([optimizer]), [], lambda: None)
     seen_pending = []
 

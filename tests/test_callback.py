@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, open_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
-from lightning_ort_ckpt.format import atomic
+from lightning_ort_ckpt.format import _atomic as atomic
 from ort_reference import ort_api
 
 
@@ -137,7 +137,7 @@ def ranked(callback: Any) -> dict[str, float]:
 
 def stored_state(path: Any) -> dict[str, Any]:
     """The OrtCheckpoint state recorded inside a file (read back through the plugin)."""
-    from lightning_ort_ckpt.plugin import read_lightning_checkpoint
+    from lightning_ort_ckpt._plugin import read_lightning_checkpoint
 
     callbacks = read_lightning_checkpoint(path)["callbacks"]
     (state,) = [v for k, v in callbacks.items() if k.startswith("OrtCheckpoint")]
@@ -276,7 +276,7 @@ def test_async_saves_queued_at_exit_are_written(tmp_path: Any) -> None:
 
     script = textwrap.dedent(f"""
         import torch
-        from lightning_ort_ckpt import Checkpoint, OrtCheckpointIO
+        from lightning_ort_ckpt import CheckpointContents, OrtCheckpointIO
         io = OrtCheckpointIO(async_save=True)
         for i in range(3):
             io.save_checkpoint({{"state_dict": {{"w": torch.full((256, 1024), float(i))}}, "epoch": i}},
@@ -616,7 +616,7 @@ def test_lightning_packages(tmp_path: Any, package: str, explicit_plugin: bool) 
 
 def _fail_after_first_save(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Make the plugin's background writer fail (OSError) on every save after the first; returns the saved paths."""
-    from lightning_ort_ckpt.format import storage  # where the plugin's saves of local paths go
+    from lightning_ort_ckpt.format import _store as storage  # where the plugin's saves of local paths go
 
     real, calls = storage.save_checkpoint, []
 

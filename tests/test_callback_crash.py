@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
-from lightning_ort_ckpt.format import atomic
-from lightning_ort_ckpt.plugin import read_lightning_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt._plugin import read_lightning_checkpoint
 
 pytestmark = [
     pytest.mark.filterwarnings("error::lightning_ort_ckpt.errors.CheckpointWarning"),
@@ -257,7 +257,7 @@ import os, re, signal, sys
 sys.path.insert(0, {TESTS_DIR!r})
 from test_callback_crash import CHILD_MAX_STEPS, Big, loader, make_trainer
 from lightning_ort_ckpt import OrtCheckpoint
-from lightning_ort_ckpt.format import atomic
+from lightning_ort_ckpt.format import _atomic as atomic
 real_put = atomic._UNLINKER.put
 
 def put(path):  # the deletion of a rotated-out checkpoint: renamed to its trash name, not yet unlinked
@@ -306,14 +306,14 @@ import torch
 sys.path.insert(0, {TESTS_DIR!r})
 from test_callback_crash import Big, loader, make_trainer
 from lightning_ort_ckpt import OrtCheckpoint
-from lightning_ort_ckpt.format import save_checkpoint, Checkpoint
+from lightning_ort_ckpt.format import save_checkpoint, CheckpointContents
 callback = OrtCheckpoint(sys.argv[1], every_n_train_steps=1, save_top_k=1, save_last=True, async_save=True)
 make_trainer([callback], 3).fit(Big(), loader())
 # fit returns once the saves are durable; the files they replaced or deleted may still be queued for unlinking.
 # Then the program replaces a 256 MB export twice and exits: freeing the old .data takes a while, and the old .ckpt
 # is queued behind it.
 for i in range(2):
-    save_checkpoint(Checkpoint(trainable={{"w": torch.full((8192, 8192), float(i))}}), sys.argv[1] + "/final.ckpt",
+    save_checkpoint(CheckpointContents(trainable={{"w": torch.full((8192, 8192), float(i))}}), sys.argv[1] + "/final.ckpt",
                     external_data="params")
 """
 

@@ -19,20 +19,19 @@ import torch
 
 from lightning_ort_ckpt import CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.errors import CheckpointWarning
-from lightning_ort_ckpt.format import (Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint,
-                                       save_checkpoint)
-from lightning_ort_ckpt.format.checksums import PROPERTY
-from lightning_ort_ckpt.translation import MANIFEST
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format._checksums import PROPERTY
+from lightning_ort_ckpt._translation import MANIFEST
 from ort_reference import batch, make_artifacts, ort_api, ort_parameters, ort_properties
 from test_callback import Net, files_after_fit, fit, name
 
 MODES = ["never", "params", "all"]
 
 
-def sample(seed: int = 0) -> Checkpoint:
+def sample(seed: int = 0) -> CheckpointContents:
     g = torch.Generator().manual_seed(seed)
     w, b = torch.randn(64, 32, generator=g), torch.randn(64, generator=g)
-    return Checkpoint(
+    return CheckpointContents(
         trainable={"fc.weight": w, "fc.bias": b, "emb": torch.randn(300, 100, generator=g)[:, ::2]},  # strided
         frozen={"bn.running_mean": torch.randn(64, generator=g), "steps": torch.tensor(7),
                 "empty": torch.zeros(0, 3), "half": torch.randn(5, generator=g).half()},
@@ -254,7 +253,7 @@ def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch)
     """Large checkpoints are verified on a second thread: a full load hashes each tensor there as soon as it is
     read, and the lazy ``verify()`` splits the tensors between two threads. A damaged tensor anywhere (the first,
     the second, the last read) is named by both."""
-    from lightning_ort_ckpt.format import reader as reader_mod
+    from lightning_ort_ckpt.format import _reader as reader_mod
 
     monkeypatch.setattr(reader_mod, "_PARALLEL_VERIFY_BYTES", 0)
     path = tmp_path / "ck.ckpt"
@@ -276,13 +275,13 @@ def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch)
 def test_lazy_verify_on_two_threads_maps_the_data_file_once(tmp_path, monkeypatch):
     """``verify()`` hashes on two threads, which both ask for the ``.data`` mapping at once: it must be made once
     (made twice, the second thread used the file the first had closed: EBADF)."""
-    from lightning_ort_ckpt.format import reader as reader_module
+    from lightning_ort_ckpt.format import _reader as reader_module
 
     monkeypatch.setattr(reader_module, "_PARALLEL_VERIFY_BYTES", 0)  # two threads whatever the size
     g = torch.Generator().manual_seed(0)
     trainable = {f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}
     path = tmp_path / "external.ckpt"
-    save_checkpoint(Checkpoint(trainable=trainable), path, external_data="all")
+    save_checkpoint(CheckpointContents(trainable=trainable), path, external_data="all")
     for _ in range(20):
         with open_checkpoint(path) as reader:
             reader.verify()

@@ -7,13 +7,13 @@ import sys
 import numpy as np
 import pytest
 
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, save_checkpoint
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, save_checkpoint
 
 
 @pytest.fixture()
 def ckpt(tmp_path):
     path = tmp_path / "model.ckpt"
-    save_checkpoint(Checkpoint(
+    save_checkpoint(CheckpointContents(
         trainable={"fc.weight": np.ones((3, 4), np.float32), "fc.bias": np.zeros(3, np.float32)},
         frozen={"bn.num_batches_tracked": np.array(7, np.int64)},
         optimizer_groups={"group0": OptimizerGroup(step=5, initial_learning_rate=1e-3, states={
@@ -25,7 +25,7 @@ def ckpt(tmp_path):
 
 def run(*args, block_torch=False):
     prelude = "import sys; sys.modules['torch'] = None; " if block_torch else ""
-    code = prelude + "from lightning_ort_ckpt.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = prelude + "from lightning_ort_ckpt._cli import main; sys.exit(main(sys.argv[1:]))"
     if not block_torch:
         code = "import sys; " + code
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
@@ -67,7 +67,7 @@ def test_verify_exit_status(ckpt, tmp_path):
 
 def test_verify_notes_what_ort_cannot_load(tmp_path):
     path = tmp_path / "half.ckpt"
-    save_checkpoint(Checkpoint(trainable={"w": np.ones(2, np.float16)}), path)
+    save_checkpoint(CheckpointContents(trainable={"w": np.ones(2, np.float16)}), path)
     out = run("verify", path)
     assert out.returncode == 0
     assert "ORT 1.19.2 cannot load tensors of type FLOAT16" in out.stdout

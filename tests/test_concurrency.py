@@ -28,21 +28,21 @@ import torch
 from test_crash_safety import snapshot
 
 from lightning_ort_ckpt import CheckpointError
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
-from lightning_ort_ckpt.format import atomic
-from lightning_ort_ckpt.format.platform import PORTABLE_IO_ENV
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 STRESS_SECONDS = 3.0
 
 
-def state(seed: int) -> Checkpoint:
+def state(seed: int) -> CheckpointContents:
     """A small encoder-decoder's parameters and AdamW state, every element equal to ``seed``: a load that mixes two
     saves shows as tensors (from ``.data``) that disagree with the momentums and properties (from the ``.ckpt``)."""
     shapes = {"encoder.weight": (128, 256), "encoder.bias": (128,), "decoder.weight": (256, 128),
               "decoder.bias": (256,), "embed.weight": (512, 64)}
     params = {n: torch.full(s, float(seed)) for n, s in shapes.items()}
-    return Checkpoint(
+    return CheckpointContents(
         trainable=params,
         frozen={"norm.running_mean": torch.full((128,), float(seed))},
         optimizer_groups={"group0": OptimizerGroup(step=seed, initial_learning_rate=0.001, states={
@@ -51,7 +51,7 @@ def state(seed: int) -> Checkpoint:
         properties={"seed": seed})
 
 
-def seeds_in(ck: Checkpoint) -> set[float]:
+def seeds_in(ck: CheckpointContents) -> set[float]:
     """Every distinct value in the loaded checkpoint: one value for a whole state."""
     values = {float(ck.properties["seed"])}
     tensors = [*ck.trainable.values(), *ck.frozen.values()]

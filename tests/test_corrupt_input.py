@@ -1,7 +1,7 @@
 """Bad input must give a CorruptCheckpointError that names the file and the fault: never a stray IndexError,
 struct.error, UnicodeDecodeError, MemoryError, numpy/torch error, never a hang, never a huge allocation.
 
-Every case here runs the real reader (``lightning_ort_ckpt.format.reader``) on real bytes; nothing is mocked.
+Every case here runs the real reader (``lightning_ort_ckpt.format._reader``) on real bytes; nothing is mocked.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import torch
 from ort_reference import assert_same_checkpoint
 
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
-from lightning_ort_ckpt.format import reader as reader_mod
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import _reader as reader_mod
 
 CASE_SECONDS = 5  # no single case may take this long: a hang fails the test instead of stalling it
 
 
 # -- a small checkpoint that uses every part of the format ------------------------------------------------------
-def make_checkpoint() -> Checkpoint:
+def make_checkpoint() -> CheckpointContents:
     g = torch.Generator().manual_seed(1234)
     trainable = {
         "layer.weight": torch.randn(3, 4, generator=g),
@@ -48,14 +48,14 @@ def make_checkpoint() -> Checkpoint:
     }
     states = {name: {"momentum0": torch.randn(t.shape, generator=g), "momentum1": torch.rand(t.shape, generator=g)}
               for name, t in trainable.items()}
-    return Checkpoint(
+    return CheckpointContents(
         trainable=trainable, frozen=frozen,
         optimizer_groups={"group0": OptimizerGroup(step=17, initial_learning_rate=1e-3, states=states)},
         properties={"epoch": 3, "global_step": -(2**40), "best_loss": 0.25, "run_name": "flip \u00e9t\u00e9",
                     "empty": ""})
 
 
-def read_everything(path: Path) -> Checkpoint:
+def read_everything(path: Path) -> CheckpointContents:
     """Load the checkpoint both ways, touching every byte of every tensor."""
     ck = load_checkpoint(path)
     with reader_mod.CheckpointReader(path) as r:
@@ -298,10 +298,10 @@ def test_random_byte_damage(tmp_path, saved, variant, cases, seed):
     assert counts["unverifiable"] < cases // 40, counts  # (a hang fails its case: CASE_SECONDS; no timed total)
 
 
-def assert_same_tensors(actual: Checkpoint, expected: Checkpoint, all_there: bool = True) -> None:
+def assert_same_tensors(actual: CheckpointContents, expected: CheckpointContents, all_there: bool = True) -> None:
     """Every parameter, buffer and momentum (``all_there``; else every one ``actual`` has): same name, dtype, shape
     and bytes."""
-    def tensors(ck: Checkpoint) -> dict[str, torch.Tensor]:
+    def tensors(ck: CheckpointContents) -> dict[str, torch.Tensor]:
         out = {f"param:{n}": t for n, t in {**ck.trainable, **ck.frozen}.items()}
         out.update({f"state:{g}/{p}/{m}": t for g, grp in ck.optimizer_groups.items()
                     for p, ms in grp.states.items() for m, t in ms.items()})
@@ -402,9 +402,9 @@ def test_zero_element_tensor_with_large_but_valid_shape(tmp_path, saved, dims):
 
 def test_more_dimensions_than_numpy_allows(tmp_path):
     path = tmp_path / "deep.ckpt"
-    save_checkpoint(Checkpoint(trainable={"deep": torch.zeros((1,) * 65)}), path)  # ORT's format has no dim limit
+    save_checkpoint(CheckpointContents(trainable={"deep": torch.zeros((1,) * 65)}), path)  # ORT's format has no dim limit
     expect_corrupt(path, "'deep'", "65 dimensions")
-    save_checkpoint(Checkpoint(trainable={"deep": torch.zeros((1,) * 64)}), path)
+    save_checkpoint(CheckpointContents(trainable={"deep": torch.zeros((1,) * 64)}), path)
     assert read_everything(path).trainable["deep"].ndim == 64
 
 

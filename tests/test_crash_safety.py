@@ -25,9 +25,9 @@ import torch
 from ort_reference import assert_same_checkpoint
 
 from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
-from lightning_ort_ckpt.format import atomic
-from lightning_ort_ckpt.format.platform import PORTABLE_IO_ENV, portable_io
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MODES = ["never", "params"]  # inline, and parameters in <path>.data
@@ -36,10 +36,10 @@ BIG_SIDE = 8192  # the big checkpoint: one 8192 x 8192 float32 tensor = 256 MiB
 
 
 # -- checkpoints (also imported by the child processes) ---------------------------------------------------------
-def small_checkpoint(seed: int) -> Checkpoint:
+def small_checkpoint(seed: int) -> CheckpointContents:
     g = torch.Generator().manual_seed(seed)
     w, b = torch.randn(4, 3, generator=g), torch.randn(3, generator=g)
-    return Checkpoint(
+    return CheckpointContents(
         trainable={"fc.weight": w, "fc.bias": b, "temperature": torch.tensor(float(seed))},
         frozen={"bn.num_batches_tracked": torch.tensor(seed * 1000, dtype=torch.int64),
                 "bn.running_mean": torch.randn(3, generator=g)},
@@ -50,7 +50,7 @@ def small_checkpoint(seed: int) -> Checkpoint:
         properties={"seed": seed, "loss": 1.0 / (seed + 1), "tag": f"checkpoint-{seed}"})
 
 
-def big_checkpoint(seed: int) -> Checkpoint:
+def big_checkpoint(seed: int) -> CheckpointContents:
     """256 MiB in one non-contiguous tensor (so it is copied out in chunks: the save takes a while)."""
     ck = small_checkpoint(seed)
     ck.trainable["big"] = torch.full((BIG_SIDE, BIG_SIDE), float(seed)).t()
@@ -63,7 +63,7 @@ def data_file(path: Path) -> Path:
 
 
 
-def expected(seed: int) -> Checkpoint:
+def expected(seed: int) -> CheckpointContents:
     """What a saved small_checkpoint(seed) loads as (float properties come back as float32)."""
     ck = small_checkpoint(seed)
     ck.properties["loss"] = float(torch.tensor(ck.properties["loss"], dtype=torch.float32))
@@ -107,7 +107,7 @@ import json, os, resource, shutil, signal, sys
 sys.path.insert(0, {TESTS_DIR!r})
 from test_crash_safety import big_checkpoint, small_checkpoint
 from lightning_ort_ckpt.format import save_checkpoint
-from lightning_ort_ckpt.format import atomic
+from lightning_ort_ckpt.format import _atomic as atomic
 path, mode = sys.argv[1], sys.argv[2]
 extra = sys.argv[3:]
 
@@ -557,7 +557,7 @@ import errno, subprocess
 from pathlib import Path
 from lightning_ort_ckpt import CheckpointError
 from lightning_ort_ckpt.format import load_checkpoint, open_checkpoint
-from lightning_ort_ckpt.cli import main as cli
+from lightning_ort_ckpt._cli import main as cli
 mnt = Path(path).parent
 if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode != 0:
     print(json.dumps({"skip": "mounting a tmpfs was refused"}))

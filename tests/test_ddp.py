@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import load_checkpoint
-from lightning_ort_ckpt.plugin import read_lightning_checkpoint
+from lightning_ort_ckpt._plugin import read_lightning_checkpoint
 from ort_reference import ort_api, ort_parameters
 
 STEPS, HALF = 16, 8  # 64 samples, batch 4, split over 2 ranks: 8 steps per epoch
@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from lightning_ort_ckpt import OrtCheckpoint
-from lightning_ort_ckpt.plugin import OrtCheckpointIO
+from lightning_ort_ckpt._plugin import OrtCheckpointIO
 
 IO_CALLS = []  # (method, file name) of every call into the plugin that writes or deletes, in this process
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from lightning_ort_ckpt import CorruptCheckpointError
-from lightning_ort_ckpt.format import diskio
+from lightning_ort_ckpt.format import _diskio as diskio
 
 SIZE = 2 * diskio._READ_CHUNK + 3 * 4096 + 123  # three chunks, the last one short and ending mid-block
 MIDDLES = (diskio._READ_CHUNK // 2 + 4321, 3 * diskio._READ_CHUNK // 2)  # far from where read-ahead may start

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ort_ckpt import CorruptCheckpointError, OrtCheckpoint, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.export import ExportError, export_onnx
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, save_checkpoint
-from lightning_ort_ckpt.plugin import read_weights
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, save_checkpoint
+from lightning_ort_ckpt._plugin import read_weights
 
 MODULE = textwrap.dedent('''
     import torch
@@ -214,7 +214,7 @@ def test_export_reads_the_module_tensors_only(tmp_path):
     ``global_step``."""
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
     path = tmp_path / "plain.ckpt"
-    save_checkpoint(Checkpoint(trainable={"w": w}, optimizer_groups={"group0": OptimizerGroup(
+    save_checkpoint(CheckpointContents(trainable={"w": w}, optimizer_groups={"group0": OptimizerGroup(
         7, 1e-3, {"w": {"momentum0": torch.ones_like(w), "momentum1": torch.ones_like(w)}})}), path)
     with open_checkpoint(path) as reader:
         moment = reader.optimizer_groups["group0"].states["w"]["momentum1"]

@@ -1,4 +1,4 @@
-"""Frozen-tensor sharing (``lightning_ort_ckpt.sharing``, ``format.shared``): saves write only what changed.
+"""Frozen-tensor sharing (``lightning_ort_ckpt._sharing``, ``format.shared``): saves write only what changed.
 
 * saves whose frozen tensors did not change share one ``.data`` inode (hard links) and write only the main file;
   every file still loads alone (in our reader and in ORT 1.19.2, which trains a step from it) and resumes bitwise;
@@ -27,10 +27,13 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO, sharing
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, atomic, load_checkpoint, open_checkpoint
-from lightning_ort_ckpt.format import save_checkpoint, shared
-from lightning_ort_ckpt.format.shared import SharedFrozen
+from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
+from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt.format import save_checkpoint
+from lightning_ort_ckpt.format import _shared_data as shared
+from lightning_ort_ckpt.format._shared_data import SharedFrozen
 from ort_reference import assert_same_checkpoint, assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO
 
@@ -363,13 +366,13 @@ def test_share_frozen_takes_true_false_or_trusted() -> None:
 def test_remote_paths_are_never_shared() -> None:
     model = ENTRY.build(0)
     state = model.state_dict()
-    ck = Checkpoint(frozen={k: v for k, v in state.items() if k.startswith("backbone")})
+    ck = CheckpointContents(frozen={k: v for k, v in state.items() if k.startswith("backbone")})
     assert sharing.FrozenSharing().snapshot(ck, "s3://bucket/run/a.ckpt", model) is None
     assert sharing.FrozenSharing().snapshot(ck, "/tmp/run/a.ckpt", model) is not None
 
 
 # -- format level: bytes written, and kills ----------------------------------------------------------------------------
-def frozen_checkpoint(seed: int, frozen_seed: int = 0) -> Checkpoint:
+def frozen_checkpoint(seed: int, frozen_seed: int = 0) -> CheckpointContents:
     """A fine-tuning state: a 1.5 MiB frozen backbone (from ``frozen_seed``), a head and its AdamW state."""
     g = torch.Generator().manual_seed(frozen_seed)
     backbone = {"backbone.0.weight": torch.randn(512, 512, generator=g),
@@ -377,7 +380,7 @@ def frozen_checkpoint(seed: int, frozen_seed: int = 0) -> Checkpoint:
     h = torch.Generator().manual_seed(seed)
     head = torch.randn(3, 512, generator=h)
     moments = {"momentum0": torch.randn(3, 512, generator=h), "momentum1": torch.rand(3, 512, generator=h)}
-    return Checkpoint(trainable={"head.weight": head},
+    return CheckpointContents(trainable={"head.weight": head},
                       frozen={**backbone, "bn.running_mean": torch.randn(8, generator=h)},
                       optimizer_groups={"group0": OptimizerGroup(seed, 0.5, {"head.weight": moments})},
                       properties={"tag": f"checkpoint-{seed}"})
@@ -433,7 +436,7 @@ def test_a_data_file_that_is_not_the_recorded_one_is_never_linked(tmp_path: Path
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "a.ckpt.data"]  # nothing written, no link left
 
 
-def load_checkpoint_expected(seed: int, frozen_seed: int = 0) -> Checkpoint:
+def load_checkpoint_expected(seed: int, frozen_seed: int = 0) -> CheckpointContents:
     """What ``frozen_checkpoint`` reads back as (the reader adds nothing; tensors come back as torch)."""
     return frozen_checkpoint(seed, frozen_seed)
 
@@ -455,7 +458,7 @@ import os, signal, sys, shutil
 sys.path.insert(0, {tests!r})
 from test_frozen_sharing import frozen_checkpoint, linked_spec
 from lightning_ort_ckpt.format import save_checkpoint
-from lightning_ort_ckpt.format.shared import SharedFrozen
+from lightning_ort_ckpt.format._shared_data import SharedFrozen
 directory, point, target = sys.argv[1], sys.argv[2], sys.argv[3]
 a, b = os.path.join(directory, "a.ckpt"), os.path.join(directory, "b.ckpt")
 names = {{"backbone.0.weight": -1, "backbone.1.weight": -1}}

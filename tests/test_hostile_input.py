@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt.format import Checkpoint, load_checkpoint, open_checkpoint, save_checkpoint
-from lightning_ort_ckpt.translation import MANIFEST
+from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt._translation import MANIFEST
 from test_callback import Net, files_after_fit, fit, name
 from test_checksums import run_cli
 
@@ -199,7 +199,7 @@ def test_fifo_and_symlink_loop_as_the_checkpoint(tmp_path):
 @pytest.fixture()
 def external(tmp_path) -> Path:
     path = tmp_path / "ext.ckpt"
-    save_checkpoint(Checkpoint(trainable={"w": torch.randn(256, 64)}), path, external_data="params")
+    save_checkpoint(CheckpointContents(trainable={"w": torch.randn(256, 64)}), path, external_data="params")
     return path
 
 
@@ -284,7 +284,7 @@ def test_cli_closed_pipe_is_quiet(good):
 
 def test_cli_json_has_no_nan_tokens(tmp_path):
     path = tmp_path / "nan.ckpt"
-    save_checkpoint(Checkpoint(trainable={"w": torch.ones(2)}, properties={"loss": float("nan"),
+    save_checkpoint(CheckpointContents(trainable={"w": torch.ones(2)}, properties={"loss": float("nan"),
                                                                           "best": float("inf")}), path)
     out = run_cli("inspect", "--json", path)
     assert out.returncode == 0, out.stderr
@@ -302,7 +302,7 @@ def test_tensors_that_share_bytes(tmp_path):
     g = torch.Generator().manual_seed(0)
     path = tmp_path / "shared.ckpt"
     tensors = {"a": torch.randn(64, 64, generator=g), "b": torch.randn(64, 64, generator=g)}
-    save_checkpoint(Checkpoint(trainable=tensors), path, checksums=False)
+    save_checkpoint(CheckpointContents(trainable=tensors), path, checksums=False)
     with open_checkpoint(path) as reader:
         a, b = reader.trainable["a"].offset, reader.trainable["b"].offset
     data = bytearray(path.read_bytes())

@@ -28,7 +28,7 @@ import lightning_ort_ckpt
 from lightning_ort_ckpt import CheckpointError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
 from lightning_ort_ckpt import lightning as for_lightning
 from lightning_ort_ckpt.errors import CheckpointWarning
-from lightning_ort_ckpt.lightning_compat import MODEL_CHECKPOINT_PRIVATE
+from lightning_ort_ckpt._lightning_adapter import MODEL_CHECKPOINT_PRIVATE
 
 pytestmark = pytest.mark.smoke
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def test_spawn_and_fork_launchers_with_the_callback_alone(strategy: str, model_m
         warnings.filterwarnings("ignore")
         import pytorch_lightning as pl, torch
         from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
-        from lightning_ort_ckpt.plugin import read_lightning_checkpoint
+        from lightning_ort_ckpt._plugin import read_lightning_checkpoint
         import itmodel
 
         PlNet = itmodel.named(pl.LightningModule, "PlNet", __name__)
@@ -225,7 +225,7 @@ def test_load_from_checkpoint_after_importing_the_package_alone(first: str, mode
     out = python(f'''
         import io, sys, torch
         import {first}, {second}
-        assert "lightning_ort_ckpt.plugin" not in sys.modules
+        assert "lightning_ort_ckpt._plugin" not in sys.modules
         import pytorch_lightning as pl, itmodel
         Net = itmodel.make(pl.LightningModule)
         expected = torch.load("expected.pt")
@@ -251,7 +251,7 @@ def test_file_like_torch_checkpoints_still_load(tmp_path: Path) -> None:
     torch.save({"state_dict": {"w": torch.arange(3.0)}}, buffer)
     buffer.seek(0)
     assert torch.equal(saving.pl_load(buffer, map_location="cpu")["state_dict"]["w"], torch.arange(3.0))
-    lightning_ort_ckpt.lightning_compat.install_ort_loader()  # idempotent: still one wrapper deep
+    lightning_ort_ckpt._lightning_adapter.install_ort_loader()  # idempotent: still one wrapper deep
     assert not getattr(saving.pl_load.__wrapped__, "reads_ort_checkpoints", False)
 
 

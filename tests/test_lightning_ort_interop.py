@@ -34,7 +34,7 @@ pl = pytest.importorskip("pytorch_lightning")
 
 from lightning_ort_ckpt import OrtCheckpointIO, open_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
-from lightning_ort_ckpt.translation import MANIFEST
+from lightning_ort_ckpt._translation import MANIFEST
 from ort_reference import Artifacts, assert_same_tensor, export_artifacts, ort_api, ort_parameters, ort_train
 
 api = ort_api()

@@ -21,9 +21,9 @@ import torch
 
 pytest.importorskip("onnxruntime.training")
 
-from lightning_ort_ckpt.format import (Checkpoint, DataType, OptimizerGroup, load_checkpoint, open_checkpoint,
+from lightning_ort_ckpt.format import (CheckpointContents, DataType, OptimizerGroup, load_checkpoint, open_checkpoint,
                                        save_checkpoint)
-from lightning_ort_ckpt.format.checksums import PROPERTY as CHECKSUMS
+from lightning_ort_ckpt.format._checksums import PROPERTY as CHECKSUMS
 from ort_reference import (Artifacts, assert_same_tensor, batch, file_bytes, make_artifacts, ort_api,
                            ort_parameters, ort_properties, raw_bytes)
 
@@ -47,7 +47,7 @@ def ort_save(state, path, include_optimizer_state: bool) -> None:
     api.CheckpointState.save_checkpoint(state, str(path), include_optimizer_state=include_optimizer_state)
 
 
-def loadable_checkpoint(seed: int = 0, with_optimizer: bool = True) -> Checkpoint:
+def loadable_checkpoint(seed: int = 0, with_optimizer: bool = True) -> CheckpointContents:
     """Every dtype ORT 1.19.2 can load, 0-d and zero-size shapes, unicode names, several groups and momentums."""
     g = torch.Generator().manual_seed(seed)
     trainable = {
@@ -83,7 +83,7 @@ def loadable_checkpoint(seed: int = 0, with_optimizer: bool = True) -> Checkpoin
     props = {"epoch": 12, "neg": -(2**63), "big": 2**63 - 1, "lr": 0.1, "pi": math.pi, "neg_f": -2.5e-3,
              "run": "hello-ODTC", "\u00fcnicode_\u00e9": "v\u00e4lue \u65e5\u672c \U0001f600", "empty": "",
              "int_zero": 0}
-    return Checkpoint(trainable=trainable, frozen=frozen, optimizer_groups=groups, properties=props)
+    return CheckpointContents(trainable=trainable, frozen=frozen, optimizer_groups=groups, properties=props)
 
 
 EXPECTED_PROPS = {"epoch": 12, "neg": -(2**63), "big": 2**63 - 1, "lr": f32(0.1), "pi": f32(math.pi),
@@ -137,13 +137,13 @@ def test_ort_resaves_our_file_to_identical_bytes(tmp_path, include_optimizer_sta
 @pytest.mark.parametrize("mode", ["never", "params"])
 def test_ort_resaves_minimal_checkpoints_identically(tmp_path, mode):
     cases = {
-        "params_only": Checkpoint(trainable={"w": torch.ones(2)}),
-        "frozen_only": Checkpoint(frozen={"b": torch.arange(3)}),
-        "props_only": Checkpoint(properties={"note": "only a string property"}),
-        "one_of_each_prop": Checkpoint(trainable={"w": torch.ones(1)}, properties={"i": 1, "f": 0.5, "s": "x"}),
-        "group_without_states": Checkpoint(trainable={"w": torch.ones(1)},
+        "params_only": CheckpointContents(trainable={"w": torch.ones(2)}),
+        "frozen_only": CheckpointContents(frozen={"b": torch.arange(3)}),
+        "props_only": CheckpointContents(properties={"note": "only a string property"}),
+        "one_of_each_prop": CheckpointContents(trainable={"w": torch.ones(1)}, properties={"i": 1, "f": 0.5, "s": "x"}),
+        "group_without_states": CheckpointContents(trainable={"w": torch.ones(1)},
                                            optimizer_groups={"group0": OptimizerGroup(3, 0.25)}),
-        "empty": Checkpoint(),
+        "empty": CheckpointContents(),
     }
     for name, ck in cases.items():
         ours, theirs = tmp_path / f"{name}.ckpt", tmp_path / f"{name}.ort.ckpt"
@@ -279,7 +279,7 @@ def test_ort_trains_from_our_checkpoint(art, tmp_path):
                   "momentum1": torch_opt.state[p]["exp_avg_sq"].clone()} for n, p in model.named_parameters()}
     step = int(torch_opt.state[next(iter(model.parameters()))]["step"])
     assert step == 1
-    ck = Checkpoint(trainable={n: sd[n] for n in param_names},
+    ck = CheckpointContents(trainable={n: sd[n] for n in param_names},
                     frozen={n: sd[n] for n in sd if n not in param_names},  # incl. bn.num_batches_tracked
                     optimizer_groups={"group0": OptimizerGroup(step=step, initial_learning_rate=1e-3, states=states)},
                     properties={"epoch": 1, "source": "torch"})
@@ -472,7 +472,7 @@ def test_ort_rejects_dtypes_it_cannot_load(tmp_path):
     """What DataType.ort_loadable claims: ORT 1.19.2 refuses float16 and friends in CheckpointState.load_checkpoint."""
     for dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
         path = tmp_path / f"{dtype}.ckpt"
-        save_checkpoint(Checkpoint(frozen={"x": torch.zeros(2, dtype=dtype)}), path)
+        save_checkpoint(CheckpointContents(frozen={"x": torch.zeros(2, dtype=dtype)}), path)
         code = int(open_checkpoint(path).frozen["x"].dtype)
         assert not DataType(code).ort_loadable
         with pytest.raises(Exception, match=f"Unsupported data type: {code}"):
@@ -489,7 +489,7 @@ def test_ort_accepts_external_momentums(art, tmp_path):
     g = torch.Generator().manual_seed(5)
     states = {n: {"momentum0": torch.randn(p.shape, generator=g) * 0.01,
                   "momentum1": torch.rand(p.shape, generator=g) * 1e-4} for n, p in model.named_parameters()}
-    ck = Checkpoint(trainable={n: sd[n] for n in art.requires_grad}, frozen={n: sd[n] for n in art.frozen},
+    ck = CheckpointContents(trainable={n: sd[n] for n in art.requires_grad}, frozen={n: sd[n] for n in art.frozen},
                     optimizer_groups={"group0": OptimizerGroup(3, 1e-3, states)}, properties={"k": "v"})
     paths = {}
     for mode in ("never", "params", "all"):

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ort_ckpt.format import (Checkpoint, OptimizerGroup, atomic, diskio, load_checkpoint, open_checkpoint,
-                                       save_checkpoint)
-from lightning_ort_ckpt.format.platform import PORTABLE_IO_ENV, portable_io
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic, _diskio as diskio
+from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
 from test_crash_safety import *  # noqa: F401,F403  (collected again here, on the portable path)
 from test_roundtrip import *  # noqa: F401,F403
 from test_checksums import test_every_tensor_is_recorded_and_verifies  # noqa: F401
@@ -33,10 +33,10 @@ def _portable(monkeypatch):
     monkeypatch.setattr(atomic, "LOCK_STALE_S", 2.0)
 
 
-def _state() -> Checkpoint:
+def _state() -> CheckpointContents:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(1024, 1024, generator=g)  # 4 MiB: several write steps and read chunks
-    return Checkpoint(trainable={"w": w, "b": torch.randn(7, generator=g)}, frozen={"n": torch.tensor(5)},
+    return CheckpointContents(trainable={"w": w, "b": torch.randn(7, generator=g)}, frozen={"n": torch.tensor(5)},
                       optimizer_groups={"group0": OptimizerGroup(2, 1e-3, {"w": {"momentum0": torch.randn_like(w)}})})
 
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
-from lightning_ort_ckpt.plugin import read_lightning_checkpoint
+from lightning_ort_ckpt._plugin import read_lightning_checkpoint
 from test_resume import ResumableShuffleLoader
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

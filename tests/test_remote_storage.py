@@ -33,8 +33,9 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import CheckpointSaveError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt.format import Checkpoint, load_checkpoint, storage
-from lightning_ort_ckpt.plugin import read_lightning_checkpoint
+from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint
+from lightning_ort_ckpt.format import _store as storage
+from lightning_ort_ckpt._plugin import read_lightning_checkpoint
 from ort_reference import assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO, Entry
 
@@ -333,9 +334,9 @@ def test_ort_loads_and_trains_from_a_file_downloaded_from_s3(s3: Store, tmp_path
 
 
 # -- failures and memory ------------------------------------------------------------------------------------------
-def big_checkpoint(nbytes: int, seed: int) -> Checkpoint:
+def big_checkpoint(nbytes: int, seed: int) -> CheckpointContents:
     rng = np.random.default_rng(seed)
-    return Checkpoint(trainable={"w": rng.standard_normal(nbytes // 4, dtype=np.float32)}, frozen={},
+    return CheckpointContents(trainable={"w": rng.standard_normal(nbytes // 4, dtype=np.float32)}, frozen={},
                       optimizer_groups={}, properties={})
 
 
@@ -401,7 +402,8 @@ _KILLED_SCRIPT = textwrap.dedent("""
     import sys, time
     import numpy as np
     import s3fs
-    from lightning_ort_ckpt.format import Checkpoint, storage
+    from lightning_ort_ckpt.format import CheckpointContents
+    from lightning_ort_ckpt.format import _store as storage
 
     url, endpoint, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
     options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": endpoint}, "default_block_size": block}
@@ -416,7 +418,7 @@ _KILLED_SCRIPT = textwrap.dedent("""
 
     s3fs.core.S3File._upload_chunk = slow_network
     w = np.random.default_rng(1).standard_normal(4 * block // 4, dtype=np.float32)
-    storage.save(Checkpoint(trainable={"w": w}, frozen={}, optimizer_groups={}, properties={}), url,
+    storage.save(CheckpointContents(trainable={"w": w}, frozen={}, optimizer_groups={}, properties={}), url,
                  storage_options=options)
 """)
 
@@ -445,7 +447,7 @@ def test_a_killed_upload_leaves_the_previous_object(s3: Store, s3_endpoint: str)
                        torch.from_numpy(big_checkpoint(2 * BLOCK, 2).trainable["w"]), "w")
 
 
-def read_checkpoint(url: str, options: dict[str, Any]) -> Checkpoint:
+def read_checkpoint(url: str, options: dict[str, Any]) -> CheckpointContents:
     with storage.fetched(url, options) as local:
         return load_checkpoint(local)
 
@@ -453,7 +455,8 @@ def read_checkpoint(url: str, options: dict[str, Any]) -> Checkpoint:
 _UPLOAD_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from lightning_ort_ckpt.format import Checkpoint, load_checkpoint, storage
+    from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint
+    from lightning_ort_ckpt.format import _store as storage
 
     def hwm():
         with open("/proc/self/status") as f:
@@ -463,10 +466,10 @@ _UPLOAD_SCRIPT = textwrap.dedent("""
     options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": endpoint},
                "default_block_size": block}
     tensors = {f"t{i}": np.full(nbytes // 8 // 4, i, dtype=np.float32) for i in range(8)}
-    small = Checkpoint(trainable={"w": np.ones(1000, np.float32)}, frozen={}, optimizer_groups={}, properties={})
+    small = CheckpointContents(trainable={"w": np.ones(1000, np.float32)}, frozen={}, optimizer_groups={}, properties={})
     storage.save(small, url + ".warmup", storage_options=options)  # the client, its pools and buffers: the baseline
     baseline = hwm()
-    storage.save(Checkpoint(trainable=tensors, frozen={}, optimizer_groups={}, properties={}), url,
+    storage.save(CheckpointContents(trainable=tensors, frozen={}, optimizer_groups={}, properties={}), url,
                  storage_options=options)
     print(json.dumps({"growth": hwm() - baseline}))
 """)

@@ -34,10 +34,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, DataType, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
-from lightning_ort_ckpt.format import atomic, save_checkpoint
-from lightning_ort_ckpt.plugin import RNG_KEY, OrtCheckpointIO, read_lightning_checkpoint
-from lightning_ort_ckpt.translation import MANIFEST
-from lightning_ort_ckpt.translation.values import Unsaved
+from lightning_ort_ckpt.format import save_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt._plugin import RNG_KEY, OrtCheckpointIO, read_lightning_checkpoint
+from lightning_ort_ckpt._translation import MANIFEST
+from lightning_ort_ckpt._translation.values import Unsaved
 from ort_reference import assert_same_tensor
 
 pytestmark = [

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
-from lightning_ort_ckpt.format import (Checkpoint, DataType, OptimizerGroup, load_checkpoint, open_checkpoint,
+from lightning_ort_ckpt.format import (CheckpointContents, DataType, OptimizerGroup, load_checkpoint, open_checkpoint,
                                        save_checkpoint)
-from lightning_ort_ckpt.format.atomic import wait_for_cleanup
+from lightning_ort_ckpt.format._atomic import wait_for_cleanup
 from ort_reference import assert_same_tensor, file_bytes, raw_bytes
 
 NUMERIC_DTYPES = [
@@ -43,7 +43,7 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> 
     return raw.view(dtype).reshape(shape)
 
 
-def all_tensors(ck: Checkpoint) -> dict[str, object]:
+def all_tensors(ck: CheckpointContents) -> dict[str, object]:
     out: dict[str, object] = {}
     out.update({f"trainable/{n}": t for n, t in ck.trainable.items()})
     out.update({f"frozen/{n}": t for n, t in ck.frozen.items()})
@@ -53,7 +53,7 @@ def all_tensors(ck: Checkpoint) -> dict[str, object]:
     return out
 
 
-def assert_checkpoints_equal(actual: Checkpoint, expected: Checkpoint) -> None:
+def assert_checkpoints_equal(actual: CheckpointContents, expected: CheckpointContents) -> None:
     assert list(actual.trainable) == sorted(expected.trainable, key=str.encode)
     assert list(actual.frozen) == sorted(expected.frozen, key=str.encode)
     assert actual.nominal == expected.nominal
@@ -84,7 +84,7 @@ def _f32(x: float) -> float:
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
-def check_lazy(path: str, expected: Checkpoint) -> None:
+def check_lazy(path: str, expected: CheckpointContents) -> None:
     """``open_checkpoint`` gives the same tensors as the checkpoint that was saved, via torch() and numpy()."""
     exp = all_tensors(expected)
     with open_checkpoint(path) as reader:
@@ -113,7 +113,7 @@ def check_lazy(path: str, expected: Checkpoint) -> None:
                 assert raw_bytes(reader.get_tensor(info.name)) == e_bytes
 
 
-def roundtrip(tmp_path, ck: Checkpoint, external_data: str = "never", name: str = "ck.ckpt") -> Checkpoint:
+def roundtrip(tmp_path, ck: CheckpointContents, external_data: str = "never", name: str = "ck.ckpt") -> CheckpointContents:
     path = str(tmp_path / name)
     save_checkpoint(ck, path, external_data=external_data)
     loaded = load_checkpoint(path)
@@ -126,7 +126,7 @@ def roundtrip(tmp_path, ck: Checkpoint, external_data: str = "never", name: str 
 @pytest.mark.parametrize("dtype", NUMERIC_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_every_dtype_and_shape_class(tmp_path, dtype):
     tensors = {f"t{i}": random_tensor(s, dtype, seed=i) for i, s in enumerate(SHAPES)}
-    ck = Checkpoint(trainable=dict(list(tensors.items())[:2]), frozen=dict(list(tensors.items())[2:]),
+    ck = CheckpointContents(trainable=dict(list(tensors.items())[:2]), frozen=dict(list(tensors.items())[2:]),
                     optimizer_groups={"group0": OptimizerGroup(1, 0.5, {"t0": {"momentum0": tensors["t3"]}})})
     roundtrip(tmp_path, ck)
     with open_checkpoint(tmp_path / "ck.ckpt") as reader:
@@ -141,7 +141,7 @@ def test_every_dtype_external(tmp_path, dtype, mode):
     # odd byte counts between blobs exercise the .data alignment padding (8 for int64/double, else 4)
     tensors = {f"t{i}": random_tensor(s, dtype, seed=i) for i, s in enumerate([(3,), (), (0, 3), (5, 1)])}
     pad = {"pad": random_tensor((5,), torch.uint8, seed=9)}
-    ck = Checkpoint(trainable={**tensors, **pad}, frozen={"z": random_tensor((3,), dtype, seed=5)},
+    ck = CheckpointContents(trainable={**tensors, **pad}, frozen={"z": random_tensor((3,), dtype, seed=5)},
                     optimizer_groups={"group0": OptimizerGroup(2, 0.1, {"t0": {"momentum0": tensors["t3"]}})})
     roundtrip(tmp_path, ck, mode)
     with open_checkpoint(tmp_path / "ck.ckpt") as reader:
@@ -155,7 +155,7 @@ def test_every_dtype_external(tmp_path, dtype, mode):
 def test_large_tensor(tmp_path):
     big = random_tensor((1024, 1280), torch.float32, seed=1)  # 5 MiB: written directly, not gathered
     big64 = random_tensor((3, 131072), torch.int64, seed=2)  # 3 MiB
-    ck = Checkpoint(trainable={"big": big, "small": torch.arange(3.0)}, frozen={"big64": big64},
+    ck = CheckpointContents(trainable={"big": big, "small": torch.arange(3.0)}, frozen={"big64": big64},
                     optimizer_groups={"group0": OptimizerGroup(1, 0.1, {"big": {"momentum0": big.t()}})})
     for mode in ("never", "params", "all"):
         roundtrip(tmp_path, ck, mode, name=f"{mode}.ckpt")
@@ -165,11 +165,11 @@ def test_write_paths_give_the_same_bytes(tmp_path, monkeypatch):
     """The writer's fast paths (small pieces gathered into writev, write-behind every few MiB) against plain
     writes: the same bytes, short writes continued where they stopped. 1,500 small tensors pass writev's 1,024-piece
     limit; 40 MB of large ones pass several write-behind steps, in the .ckpt and in the .data file."""
-    from lightning_ort_ckpt.format import diskio
+    from lightning_ort_ckpt.format import _diskio as diskio
 
     small = {f"s{i:04d}": random_tensor((i % 7 + 1,), torch.float32, seed=i) for i in range(1500)}
     large = {f"w{i}": random_tensor((1024, 2560), torch.float32, seed=100 + i) for i in range(4)}  # 10 MiB each
-    ck = Checkpoint(trainable={**small, **large}, frozen={"f": random_tensor((3, 5), torch.int64, seed=9)},
+    ck = CheckpointContents(trainable={**small, **large}, frozen={"f": random_tensor((3, 5), torch.int64, seed=9)},
                     optimizer_groups={"group0": OptimizerGroup(2, 1e-3, {n: {"momentum0": t * 2}
                                                                          for n, t in large.items()})})
     files = {}
@@ -217,11 +217,11 @@ def test_non_contiguous_torch_tensors(tmp_path):
     assert not any(v.is_contiguous() for k, v in views.items() if k not in ("conj", "neg"))
     expected = {k: v.detach().resolve_conj().resolve_neg().contiguous() for k, v in views.items()}
     path = str(tmp_path / "nc.ckpt")
-    save_checkpoint(Checkpoint(trainable=views), path)
+    save_checkpoint(CheckpointContents(trainable=views), path)
     loaded = load_checkpoint(path)
     for k, v in expected.items():
         assert_same_tensor(loaded.trainable[k], v, k)
-    check_lazy(path, Checkpoint(trainable=expected))
+    check_lazy(path, CheckpointContents(trainable=expected))
 
 
 def test_numpy_inputs(tmp_path):
@@ -248,7 +248,7 @@ def test_numpy_inputs(tmp_path):
         "np_scalar_type": np.float64(2.5),  # a numpy scalar, not an array
     }
     path = str(tmp_path / "np.ckpt")
-    save_checkpoint(Checkpoint(frozen=arrays), path)
+    save_checkpoint(CheckpointContents(frozen=arrays), path)
     loaded = load_checkpoint(path)
     for k, a in arrays.items():
         a = np.asarray(a)
@@ -257,7 +257,7 @@ def test_numpy_inputs(tmp_path):
         assert tuple(t.shape) == a.shape, k
         assert raw_bytes(t) == raw_bytes(a), k
         np.testing.assert_array_equal(t.numpy(), a, err_msg=k)
-    check_lazy(path, Checkpoint(frozen={k: np.asarray(a) for k, a in arrays.items()}))
+    check_lazy(path, CheckpointContents(frozen={k: np.asarray(a) for k, a in arrays.items()}))
 
 
 def test_big_endian_numpy_input(tmp_path):
@@ -270,7 +270,7 @@ def test_big_endian_numpy_input(tmp_path):
         "be_scalar": np.array(7.25, dtype=">f4"),
     }
     path = str(tmp_path / "be.ckpt")
-    save_checkpoint(Checkpoint(trainable=arrays), path)
+    save_checkpoint(CheckpointContents(trainable=arrays), path)
     loaded = load_checkpoint(path)
     for k, a in arrays.items():
         little = a.astype(a.dtype.newbyteorder("<"))
@@ -290,7 +290,7 @@ def test_string_tensors(tmp_path):
         "empty": np.array([], dtype=str).reshape(0, 2),
         "bytes": np.array([b"raw", "caf\u00e9".encode()]),
     }
-    ck = Checkpoint(frozen=strings, trainable={"w": torch.ones(2)})
+    ck = CheckpointContents(frozen=strings, trainable={"w": torch.ones(2)})
     for mode in ("never", "params", "all"):
         roundtrip(tmp_path, ck, mode, name=f"{mode}.ckpt")
         with open_checkpoint(tmp_path / f"{mode}.ckpt") as reader:
@@ -316,7 +316,7 @@ def test_properties_of_all_types(tmp_path):
         "\u00e9_name": "unicode name", "": "empty name",
     }
     path = str(tmp_path / "p.ckpt")
-    save_checkpoint(Checkpoint(trainable={"w": torch.ones(1)}, properties=props), path)
+    save_checkpoint(CheckpointContents(trainable={"w": torch.ones(1)}, properties=props), path)
     for got in (load_checkpoint(path).properties, open_checkpoint(path).properties):
         assert set(got) == set(props)
         assert got["int_min"] == -(2**63) and got["int_max"] == 2**63 - 1
@@ -336,8 +336,8 @@ def test_properties_of_all_types(tmp_path):
         assert got["s_unicode"] == "v\u00e4lue \u65e5\u672c \U0001f600" and got["s_empty"] == ""
         assert got["s_ascii"] == "hello-ODTC" and got["\u00e9_name"] == "unicode name" and got[""] == "empty name"
     # zero values are omitted on disk: an int 0 and a float 0.0 make a file no bigger than a property 1 / 1.0 would
-    small = Checkpoint(properties={"a": 0, "b": 0.0})
-    nonzero = Checkpoint(properties={"a": 1, "b": 1.0})
+    small = CheckpointContents(properties={"a": 0, "b": 0.0})
+    nonzero = CheckpointContents(properties={"a": 1, "b": 1.0})
     save_checkpoint(small, tmp_path / "zero.ckpt")
     save_checkpoint(nonzero, tmp_path / "one.ckpt")
     assert os.path.getsize(tmp_path / "zero.ckpt") < os.path.getsize(tmp_path / "one.ckpt")
@@ -346,7 +346,7 @@ def test_properties_of_all_types(tmp_path):
 
 def test_zero_float_property_stays_a_float(tmp_path):
     path = tmp_path / "zero.ckpt"
-    save_checkpoint(Checkpoint(properties={"i": 0, "f": 0.0}), path)
+    save_checkpoint(CheckpointContents(properties={"i": 0, "f": 0.0}), path)
     got = load_checkpoint(path).properties
     assert type(got["i"]) is int
     assert type(got["f"]) is float
@@ -356,7 +356,7 @@ def test_zero_float_property_stays_a_float(tmp_path):
 
 
 def test_properties_only_checkpoint(tmp_path):
-    ck = Checkpoint(properties={"only": "strings"})
+    ck = CheckpointContents(properties={"only": "strings"})
     path = tmp_path / "p.ckpt"
     save_checkpoint(ck, path)
     loaded = load_checkpoint(path)
@@ -366,9 +366,9 @@ def test_properties_only_checkpoint(tmp_path):
 
 def test_empty_checkpoint(tmp_path):
     path = tmp_path / "empty.ckpt"
-    save_checkpoint(Checkpoint(), path)
+    save_checkpoint(CheckpointContents(), path)
     loaded = load_checkpoint(path)
-    assert loaded == Checkpoint()
+    assert loaded == CheckpointContents()
 
 
 # -- optimizer groups ---------------------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def test_optimizer_groups(tmp_path):
     other = OptimizerGroup(step=0, initial_learning_rate=0.0, states={
         "a": {"momentum0": torch.zeros(2, 2), "extra": torch.arange(3, dtype=torch.int64), "b": torch.ones(())}})
     empty = OptimizerGroup(step=-3, initial_learning_rate=-1.5)
-    ck = Checkpoint(trainable=params, frozen={"buf": torch.arange(5)},
+    ck = CheckpointContents(trainable=params, frozen={"buf": torch.arange(5)},
                     optimizer_groups={"group0": group0, "groupX": other, "\u00e9mpty": empty})
     for mode in ("never", "params", "all"):
         loaded = roundtrip(tmp_path, ck, mode, name=f"{mode}.ckpt")
@@ -401,8 +401,8 @@ def test_optimizer_groups(tmp_path):
 
 
 # -- nominal ------------------------------------------------------------------------------------------------------
-def _nominal() -> Checkpoint:
-    return Checkpoint(trainable={"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.float64)},
+def _nominal() -> CheckpointContents:
+    return CheckpointContents(trainable={"w": torch.randn(3, 4), "b": torch.zeros(4, dtype=torch.float64)},
                       frozen={"idx": torch.arange(3), "flag": torch.ones(2, dtype=torch.bool)},
                       properties={"kind": "nominal"}, nominal=True)
 
@@ -442,8 +442,8 @@ def test_nominal_checkpoint_load_and_resave(tmp_path):
 
 
 # -- external data ------------------------------------------------------------------------------------------------
-def _external_ck() -> Checkpoint:
-    return Checkpoint(
+def _external_ck() -> CheckpointContents:
+    return CheckpointContents(
         trainable={"w": random_tensor((3, 5), torch.float32, 1), "odd": random_tensor((5,), torch.uint8, 2),
                    "d": random_tensor((3,), torch.float64, 3)},
         frozen={"i64": random_tensor((2, 3), torch.int64, 4), "u64": random_tensor((1,), torch.uint64, 5),
@@ -501,7 +501,7 @@ def test_lazy_access_zero_copy_and_unaligned_int64(tmp_path):
     tensors["f"] = torch.randn(4, 4)
     tensors["u8"] = torch.arange(3, dtype=torch.uint8)
     path = str(tmp_path / "lazy.ckpt")
-    save_checkpoint(Checkpoint(trainable=tensors), path)
+    save_checkpoint(CheckpointContents(trainable=tensors), path)
     misaligned = 0
     with open_checkpoint(path) as reader:
         for name, expected in tensors.items():
@@ -527,9 +527,9 @@ def test_lazy_access_zero_copy_and_unaligned_int64(tmp_path):
 
 _USE_AFTER_CLOSE = """
 import sys, numpy as np, torch
-from lightning_ort_ckpt.format import Checkpoint, save_checkpoint, open_checkpoint
+from lightning_ort_ckpt.format import CheckpointContents, save_checkpoint, open_checkpoint
 path = sys.argv[1]
-save_checkpoint(Checkpoint(trainable={"w": torch.arange(4096.0)}), path, external_data=sys.argv[2])
+save_checkpoint(CheckpointContents(trainable={"w": torch.arange(4096.0)}), path, external_data=sys.argv[2])
 with open_checkpoint(path) as reader:
     w = reader.get_tensor("w")
 assert float(w.sum()) == 4096 * 4095 / 2
@@ -540,7 +540,7 @@ print("ok")
 @pytest.mark.parametrize("mode", ["never", "params"])
 def test_numpy_arrays_stay_valid_after_close(tmp_path, mode):
     path = str(tmp_path / "ck.ckpt")
-    save_checkpoint(Checkpoint(trainable={"w": torch.arange(4096.0)}), path, external_data=mode)
+    save_checkpoint(CheckpointContents(trainable={"w": torch.arange(4096.0)}), path, external_data=mode)
     with open_checkpoint(path) as reader:
         a = reader.numpy(reader.trainable["w"])
     assert float(a.sum()) == 4096 * 4095 / 2
@@ -578,8 +578,8 @@ def _listing(tmp_path) -> list[str]:
 
 def test_save_replaces_existing_checkpoint(tmp_path):
     path = str(tmp_path / "ck.ckpt")
-    first = Checkpoint(trainable={"w": torch.zeros(1000)}, properties={"v": 1})
-    second = Checkpoint(trainable={"w": torch.ones(3), "x": torch.arange(2)}, properties={"v": 2})
+    first = CheckpointContents(trainable={"w": torch.zeros(1000)}, properties={"v": 1})
+    second = CheckpointContents(trainable={"w": torch.ones(3), "x": torch.arange(2)}, properties={"v": 2})
     save_checkpoint(first, path)
     reader = open_checkpoint(path)
     old = reader.get_tensor("w")
@@ -613,7 +613,7 @@ def test_switching_between_external_and_inline(tmp_path):
 
 def test_save_is_deterministic_and_independent_of_insertion_order(tmp_path):
     ck = _external_ck()
-    shuffled = Checkpoint(trainable=dict(reversed(list(ck.trainable.items()))),
+    shuffled = CheckpointContents(trainable=dict(reversed(list(ck.trainable.items()))),
                           frozen=dict(reversed(list(ck.frozen.items()))),
                           optimizer_groups=ck.optimizer_groups, properties=dict(reversed(list(ck.properties.items()))))
     save_checkpoint(ck, tmp_path / "a.ckpt")
@@ -632,10 +632,10 @@ def test_save_is_deterministic_and_independent_of_insertion_order(tmp_path):
 def test_auto_external_data_past_two_gib_plans_without_allocating():
     """Planning works on sizes only: a 3.6 GB AdamW-like state (broadcast arrays, no memory behind them) needs its
     parameters and then its momentums in the .data file; "never" refuses, "auto" picks that layout."""
-    from lightning_ort_ckpt.format import writer
+    from lightning_ort_ckpt.format import _writer as writer
 
     big = np.broadcast_to(np.zeros(1, np.float32), (300_000_000,))  # 1.2 GB each, nothing allocated
-    ck = Checkpoint(trainable={"w": big},
+    ck = CheckpointContents(trainable={"w": big},
                     optimizer_groups={"group0": OptimizerGroup(1, 1e-3, {"w": {"momentum0": big, "momentum1": big}})})
     with pytest.raises(CheckpointSaveError, match="2 GiB FlatBuffers limit"):
         writer._plan_for_mode(ck, writer._Tensors("x.ckpt"), "never", "x.ckpt")

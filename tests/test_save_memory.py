@@ -24,17 +24,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ort_ckpt import load_checkpoint, staging
+from lightning_ort_ckpt import load_checkpoint
+from lightning_ort_ckpt import _staging as staging
 from lightning_ort_ckpt.format import StoredAs, save_checkpoint
-from lightning_ort_ckpt.translation.lightning import ModuleInfo, to_ort
+from lightning_ort_ckpt._translation.lightning_dict import ModuleInfo, to_ort
 
 LIMIT_MIN = 64 << 20  # max(64 MiB, 5% of the checkpoint): issue #13's bound on a save's extra memory
 
 _CHILD = r"""
 import json, os, sys
 import torch
-from lightning_ort_ckpt.format import Checkpoint, OptimizerGroup, load_checkpoint, save_checkpoint
-from lightning_ort_ckpt.translation.lightning import ModuleInfo, to_ort
+from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, save_checkpoint
+from lightning_ort_ckpt._translation.lightning_dict import ModuleInfo, to_ort
 
 case, path = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
@@ -69,13 +70,13 @@ elif case == "noncontiguous":  # transposed weights, and a (1, n) view of a tran
     tensors = {n: t.t() if t.ndim == 2 else t for n, t in sd.items()}
     tensors["tied_head"] = torch.randn(8192, 8192).t().unsqueeze(0)
     assert not tensors["tied_head"].is_contiguous()
-    make = lambda: Checkpoint(frozen=tensors)
+    make = lambda: CheckpointContents(frozen=tensors)
     expected = tensors
     mode = "auto"
 else:  # plain contiguous float32 state with AdamW-like moments, inline or all in .data
     sd = transformer(torch.float32).state_dict()
     states = {n: {"momentum0": torch.randn_like(t), "momentum1": torch.rand_like(t)} for n, t in sd.items()}
-    make = lambda: Checkpoint(trainable=dict(sd), optimizer_groups={"group0": OptimizerGroup(10, 1e-3, states)})
+    make = lambda: CheckpointContents(trainable=dict(sd), optimizer_groups={"group0": OptimizerGroup(10, 1e-3, states)})
     expected = dict(sd)
     mode = {"inline": "never", "external": "all"}[case]
 

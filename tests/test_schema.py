@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 from lightning_ort_ckpt.format import DataType
-from lightning_ort_ckpt.format import schema
+from lightning_ort_ckpt.format import _schema as schema
 
 FBS = (Path(__file__).resolve().parents[1] / "schema" / "ort_training_checkpoint.fbs").read_text()
 

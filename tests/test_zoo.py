@@ -35,9 +35,10 @@ from lightning_ort_ckpt.artifacts import ArtifactsError, TrainingArtifacts, make
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.export import export_onnx
 from lightning_ort_ckpt.format import load_checkpoint, save_checkpoint
-from lightning_ort_ckpt.plugin import read_lightning_checkpoint
-from lightning_ort_ckpt.translation import MANIFEST, values
-from lightning_ort_ckpt.translation.lightning import EXTRA_PREFIX, ModuleInfo, aliases_of, to_ort
+from lightning_ort_ckpt._plugin import read_lightning_checkpoint
+from lightning_ort_ckpt._translation import MANIFEST
+from lightning_ort_ckpt._translation import values
+from lightning_ort_ckpt._translation.lightning_dict import EXTRA_PREFIX, ModuleInfo, aliases_of, to_ort
 from ort_reference import assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO, Act, Entry, FrozenStemCNN
 

@@ -48,14 +48,15 @@ from typing import Any, Literal
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from .errors import CheckpointError, CheckpointWarning
-from .format import load_checkpoint, open_checkpoint, storage
-from .format.storage import StorageOptions
-from .format.writer import ExternalData
-from .namespaces import loaded, namespace_of
-from .torch_files import load_torch_file
-from .translation.lightning import MANIFEST, from_ort
-from . import lightning_compat, rng
-from .plugin import RNG_KEY, OrtCheckpointIOMixin, is_ort_checkpoint, plugin_class_for
+from .format import load_checkpoint, open_checkpoint
+from .format import _store
+from .format._store import StorageOptions
+from .format._writer import ExternalData
+from ._namespaces import loaded, namespace_of
+from ._torch_files import load_torch_file
+from ._translation.lightning_dict import MANIFEST, from_ort
+from . import _lightning_adapter, _rng
+from ._plugin import RNG_KEY, OrtCheckpointIOMixin, is_ort_checkpoint, plugin_class_for
 
 
 class OrtCheckpointMixin:
@@ -102,7 +103,7 @@ class OrtCheckpointMixin:
                     "train_time_interval": train_time_interval}
         given = {k: v for k, v in triggers.items() if v is not None}
         first = dict(list(given.items())[:1])
-        dirpath = storage.local_path(dirpath) if dirpath is not None else None  # file:// is the local disk
+        dirpath = _store.local_path(dirpath) if dirpath is not None else None  # file:// is the local disk
         super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,  # type: ignore[call-arg]
                          save_last=save_last, save_top_k=save_top_k, save_on_exception=save_on_exception,
                          save_weights_only=save_weights_only or not include_optimizer_state, mode=mode,
@@ -149,7 +150,7 @@ class OrtCheckpointMixin:
             from .export import check_export_config
 
             check_export_config(pl_module, self.export_tolerance)
-        remote_link = self.save_last == "link" and storage.is_remote(self.dirpath)  # type: ignore[attr-defined]
+        remote_link = self.save_last == "link" and _store.is_remote(self.dirpath)  # type: ignore[attr-defined]
         if remote_link:  # ModelCheckpoint refuses links on a store; ours become copies (_link_checkpoint)
             self.save_last = True
         try:
@@ -157,7 +158,7 @@ class OrtCheckpointMixin:
         finally:
             if remote_link:
                 self.save_last = "link"
-        io = lightning_compat.raw_checkpoint_io(trainer.strategy)
+        io = _lightning_adapter.raw_checkpoint_io(trainer.strategy)
         if isinstance(io, OrtCheckpointIOMixin):
             self._io = io
             mine = (self.external_data, self.ort_compatible, self.async_save, self.share_frozen, self.storage_options)
@@ -174,8 +175,8 @@ class OrtCheckpointMixin:
             raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "
                              f"{type(io).__name__}; remove it or pass OrtCheckpointIO")
         self._io.bind(trainer.strategy)
-        if self._io.storage_options is not None and storage.is_remote(self.dirpath):  # type: ignore[attr-defined]
-            lightning_compat.set_checkpoint_filesystem(self, self.dirpath, self._io.storage_options)  # type: ignore
+        if self._io.storage_options is not None and _store.is_remote(self.dirpath):  # type: ignore[attr-defined]
+            _lightning_adapter.set_checkpoint_filesystem(self, self.dirpath, self._io.storage_options)  # type: ignore
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = (checkpoint.get(RNG_KEY), checkpoint.get("epoch"))
@@ -195,7 +196,7 @@ class OrtCheckpointMixin:
         """
         (states, epoch), self._resume_rng = self._resume_rng, (None, None)
         if states is not None and trainer.current_epoch == epoch:
-            rng.restore(states)
+            _rng.restore(states)
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -323,7 +324,7 @@ class OrtCheckpointMixin:
         if not (sum(batches) if isinstance(batches, list) else batches):
             return False
         loop = trainer.fit_loop
-        follows = lightning_compat.validation_follows(trainer)
+        follows = _lightning_adapter.validation_follows(trainer)
         if follows is None:  # another Lightning version: ModelCheckpoint's own rule, the epoch's last batch
             every = trainer.check_val_every_n_epoch
             return bool(getattr(loop.epoch_loop.batch_progress, "is_last_batch", False)) and (
@@ -386,9 +387,9 @@ class OrtCheckpointMixin:
         name = os.path.basename(path)
         if not self.dirpath or name.startswith(".") or not name.endswith(self.FILE_EXTENSION):  # type: ignore[attr-defined]
             return False
-        if storage.is_remote(self.dirpath) or storage.is_remote(path):  # a store has no links: names are all
+        if _store.is_remote(self.dirpath) or _store.is_remote(path):  # a store has no links: names are all
             root, folder = posixpath.normpath(self.dirpath), posixpath.normpath(posixpath.dirname(path))
-            return storage.is_remote(path) and (folder == root or folder.startswith(root.rstrip("/") + "/"))
+            return _store.is_remote(path) and (folder == root or folder.startswith(root.rstrip("/") + "/"))
         root = os.path.realpath(self.dirpath)
         folder = os.path.realpath(os.path.dirname(path) or os.curdir)
         return folder == root or folder.startswith(root.rstrip(os.sep) + os.sep)
@@ -402,34 +403,34 @@ class OrtCheckpointMixin:
         if trainer.is_global_zero and _absolute(filepath) != _absolute(linkpath):
             assert self._io is not None
             self._io.link(filepath, linkpath)  # queued behind the save of filepath when saving asynchronously
-            self._link_target = None if storage.is_remote(linkpath) else filepath
+            self._link_target = None if _store.is_remote(linkpath) else filepath
         trainer.strategy.barrier()
 
     # -- resume -------------------------------------------------------------------------------------------------
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         """For ``ckpt_path="last"``: the newest checkpoint in ``dirpath`` that can resume a fit, skipping damaged and
         weights-only files (and sub-folders only where ``filename`` makes them, with a "/")."""
-        directory = lightning_compat.resolve_ckpt_dir(self, trainer)  # as Lightning does
+        directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
         nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # type: ignore[attr-defined]
         lasts = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
-        if storage.is_remote(directory):  # ModelCheckpoint's search drops the URL's protocol: put it back
-            candidates = {p for p in storage.list_files(directory, nested, self._storage_options())
+        if _store.is_remote(directory):  # ModelCheckpoint's search drops the URL's protocol: put it back
+            candidates = {p for p in _store.list_files(directory, nested, self._storage_options())
                           if p.endswith(self.FILE_EXTENSION)}  # type: ignore[attr-defined]
-            lasts = {p for p in candidates if os.path.normpath(storage.strip_protocol(p)) in lasts}
+            lasts = {p for p in candidates if os.path.normpath(_store.strip_protocol(p)) in lasts}
         else:
             candidates = set(lasts)
-        if directory and not storage.is_remote(directory) and os.path.isdir(directory):
+        if directory and not _store.is_remote(directory) and os.path.isdir(directory):
             for folder, subfolders, files in os.walk(directory):
                 subfolders[:] = sorted(d for d in subfolders if nested and not d.startswith("."))
                 candidates |= {os.path.join(folder, f) for f in files
                                if f.endswith(self.FILE_EXTENSION) and not f.startswith(".")}  # type: ignore[attr-defined]
         # newest first; on a tie (a link and its target) the link, then Lightning's own last* names
         options = self._storage_options()
-        newest_first = sorted(candidates, key=lambda p: (storage.modified(p, options), os.path.islink(p), p in lasts),
+        newest_first = sorted(candidates, key=lambda p: (_store.modified(p, options), os.path.islink(p), p in lasts),
                               reverse=True)
         for path in newest_first:
             try:
-                with storage.fetched(path, options) as local:  # a file of a store is downloaded once for both
+                with _store.fetched(path, options) as local:  # a file of a store is downloaded once for both
                     problem = _unreadable(local) or _weights_only(local)
             except CheckpointError as e:
                 problem = str(e).removeprefix(f"{path}: ")
@@ -456,7 +457,7 @@ class OrtCheckpointMixin:
         self._restored_monitor = self._monitor_value is not None
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # only our own files, and never trusted beyond
             self._saved = [p for p in state_dict.get("saved", [])
-                           if self._confined(p) and storage.exists(p, self._storage_options())]
+                           if self._confined(p) and _store.exists(p, self._storage_options())]
             unranked = state_dict.get("last_unranked", "")
             self._last_unranked = unranked if self._confined(unranked) else ""
             named = [*self.best_k_models, self.kth_best_model_path, self.best_model_path,  # type: ignore[attr-defined]
@@ -470,7 +471,7 @@ class OrtCheckpointMixin:
 
 def _absolute(path: str) -> str:
     """The absolute form of a local path; a URL as it is."""
-    return path if storage.is_remote(path) else os.path.abspath(path)
+    return path if _store.is_remote(path) else os.path.abspath(path)
 
 
 def _unreadable(path: str) -> str | None:

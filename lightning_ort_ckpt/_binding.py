@@ -14,15 +14,15 @@ from typing import Any
 
 from pytorch_lightning.callbacks import Callback
 
-from . import lightning_compat
-from .plugin import OrtCheckpointIOMixin
+from . import _lightning_adapter
+from ._plugin import OrtCheckpointIOMixin
 
 
 class BindCheckpointIOMixin:
     """The behaviour of both ``BindCheckpointIO`` callbacks."""
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        io = lightning_compat.raw_checkpoint_io(trainer.strategy)
+        io = _lightning_adapter.raw_checkpoint_io(trainer.strategy)
         if not isinstance(io, OrtCheckpointIOMixin):
             io = getattr(io, "checkpoint_io", None)  # Lightning's wrapping plugins (AsyncCheckpointIO)
         if isinstance(io, OrtCheckpointIOMixin):

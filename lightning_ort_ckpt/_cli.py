@@ -26,9 +26,9 @@ import numpy as np
 
 from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
-from .format import storage
-from .format.reader import CheckpointReader, TensorInfo
-from .translation import FORMAT, MANIFEST
+from .format import _store
+from .format._reader import CheckpointReader, TensorInfo
+from ._translation import FORMAT, MANIFEST
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
         return _export(args)
     try:
-        with storage.fetched(args.file) as local, CheckpointReader(local) as reader:  # a URL: downloaded first
+        with _store.fetched(args.file) as local, CheckpointReader(local) as reader:  # a URL: downloaded first
             report = describe(reader)
             if local != args.file:  # the report names the URL, not the downloaded copy
                 report["file"] = args.file
@@ -102,7 +102,7 @@ def _check_lightning(reader: CheckpointReader) -> str | None:
     if MANIFEST not in reader.properties:
         return None
     try:
-        from .translation.lightning import from_ort
+        from ._translation.lightning_dict import from_ort
     except ImportError:  # torch is not installed: what can be checked without it
         manifest = _manifest(reader.properties[MANIFEST])
         if manifest is None:

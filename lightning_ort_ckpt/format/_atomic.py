@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from ..errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
-from .platform import portable_io
-from .shared import Identity, link_into
+from ._platform import portable_io
+from ._shared_data import Identity, link_into
 
 try:
     import fcntl
@@ -463,7 +463,7 @@ def open_pair(path: str) -> tuple[int, int | None]:
         pause = min(pause * 1.5, 0.05)
     raise CheckpointError("the checkpoint kept changing while it was being opened (another process is saving it "
                           "over and over, or an interrupted save of the file it links to is pending: the next save "
-                          "of that file, or lightning_ort_ckpt.format.atomic.repair, completes it); try again", path)
+                          "of that file, or lightning_ort_ckpt.format._atomic.repair, completes it); try again", path)
 
 
 def _try_open_pair(path: str) -> tuple[int, int | None] | None:

@@ -1,4 +1,4 @@
-"""Writes a :class:`Checkpoint` as an ODTC file, byte-identical to ORT 1.19.2's ``CheckpointState.save_checkpoint``.
+"""Writes a :class:`CheckpointContents` as an ODTC file, byte-identical to ORT 1.19.2's ``CheckpointState.save_checkpoint``.
 
 Saving has two steps, as in ``torch.distributed.checkpoint``: *planning* lays out every byte of the file with
 :class:`LayoutBuilder` (names, dims and offsets only), then *streaming* copies tensor bytes from each tensor's own
@@ -28,16 +28,16 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 
 from ..errors import CheckpointSaveError
-from . import atomic
-from . import checksums as _checksums
-from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue, StoredAs, Tensor
-from .diskio import BEHIND_BYTES, WriteBehind
-from .dtypes import DataType, from_numpy, from_torch
-from .layout import Blob, LayoutBuilder, LayoutTooLarge, Piece
-from .platform import portable_io
-from .shared import NotShared, SavedData, SharedFrozen, identity
-from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
-                     OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
+from . import _atomic
+from . import _checksums
+from ._contents import CheckpointContents, OptimizerGroup, PropertyValue, StoredAs, Tensor
+from ._diskio import BEHIND_BYTES, WriteBehind
+from ._dtypes import DataType, from_numpy, from_torch
+from ._flatbuffers import Blob, LayoutBuilder, LayoutTooLarge, Piece
+from ._platform import portable_io
+from ._shared_data import NotShared, SavedData, SharedFrozen, identity
+from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
+                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
 ExternalData = Literal["auto", "never", "params", "all"]
 
@@ -47,7 +47,7 @@ _INT64 = (-(2**63), 2**63 - 1)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
+def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str], *,
                     external_data: ExternalData = "auto", checksums: bool = True,
                     shared: SharedFrozen | None = None) -> SavedData | None:
     """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data).
@@ -76,13 +76,13 @@ def save_checkpoint(checkpoint: Checkpoint, path: str | os.PathLike[str], *,
     return None
 
 
-def _save(checkpoint: Checkpoint, path: str, external_data: ExternalData, checksums: bool,
+def _save(checkpoint: CheckpointContents, path: str, external_data: ExternalData, checksums: bool,
           shared: SharedFrozen | None) -> SavedData | None:
     tensors = _Tensors(path)
     plan = _plan_for_mode(checkpoint, tensors, external_data, path, checksums, shared)
     link = (shared.link_from, shared.identity) if shared is not None and shared.link_from is not None else None
     try:
-        with atomic.atomic_save(path, with_data=plan.data_size is not None, link_data=link,  # type: ignore[arg-type]
+        with _atomic.atomic_save(path, with_data=plan.data_size is not None, link_data=link,  # type: ignore[arg-type]
                                 required_bytes=plan.size + (plan.data_size or 0)) as files:
             if link is not None and not files.linked:  # no link here (another file system): nothing written yet
                 raise NotShared(path, [])
@@ -106,7 +106,7 @@ def _save(checkpoint: Checkpoint, path: str, external_data: ExternalData, checks
     return saved
 
 
-def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: atomic.SaveFiles,
+def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: _atomic.SaveFiles,
                   digests: dict[str, int], path: str) -> SavedData:
     """What the save put in ``.data``, once the linked tensors are confirmed to hold the linked bytes (``digests``,
     the hashes just computed, get the recorded ones of tensors that changed only after the save was asked for)."""
@@ -285,7 +285,7 @@ class _Plan:
     offsets: dict[str, int]  # shared frozen tensor -> its offset in .data
 
 
-def _plan_for_mode(ck: Checkpoint, tensors: _Tensors, mode: ExternalData, path: str, checksums: bool = True,
+def _plan_for_mode(ck: CheckpointContents, tensors: _Tensors, mode: ExternalData, path: str, checksums: bool = True,
                    shared: SharedFrozen | None = None) -> _Plan:
     choices = {"never": [(False, False)], "params": [(True, False)], "all": [(True, True)],
                "auto": [(False, False), (True, False), (True, True)]}
@@ -324,7 +324,7 @@ class _Planner:
         self.data_pos = 0
         self.path = tensors.path
 
-    def plan(self, ck: Checkpoint) -> _Plan:
+    def plan(self, ck: CheckpointContents) -> _Plan:
         b = self.b
         overlap = sorted(ck.trainable.keys() & ck.frozen.keys())
         if overlap:
@@ -385,7 +385,7 @@ class _Planner:
             b.add_offset(TensorSlot.RAW_DATA, data_off)
         return b.end_table()
 
-    def _module_state(self, ck: Checkpoint) -> int:
+    def _module_state(self, ck: CheckpointContents) -> int:
         b = self.b
         trainable = [self._tensor(n, ck.trainable[n], "trainable parameter", self.params_out,
                                   _checksums.param_key(n), ck.nominal) for n in _sorted(ck.trainable)]

@@ -35,7 +35,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import CheckpointSaveError
-from .format import Checkpoint, OptimizerGroup, StoredAs
+from .format import CheckpointContents, OptimizerGroup, StoredAs
 
 _lock = threading.Lock()
 _pending: set[_Copy] = set()  # deferred copies not finished yet, across every plugin of the process
@@ -130,8 +130,8 @@ class Stager:
         # its memory cannot be freed and handed to another tensor meanwhile), its version and the step count then
         self._sources: dict[str, tuple[torch.Tensor, int, int]] = {}
 
-    def stage(self, ck: Checkpoint, path: str, deferrable: Iterable[torch.Tensor], live: Iterable[torch.Tensor],
-              wait_for_buffers: Callable[[], None], keep: Collection[str] = ()) -> tuple[Checkpoint, _Copy]:
+    def stage(self, ck: CheckpointContents, path: str, deferrable: Iterable[torch.Tensor], live: Iterable[torch.Tensor],
+              wait_for_buffers: Callable[[], None], keep: Collection[str] = ()) -> tuple[CheckpointContents, _Copy]:
         """``ck`` with every tensor replaced by a buffer of its own.
 
         Tensors that share memory with ``deferrable`` (parameters the optimizers hold, and their state) are copied
@@ -175,7 +175,7 @@ class Stager:
             self._buffers[where] = buffer
             return buffer
 
-        staged = Checkpoint(
+        staged = CheckpointContents(
             trainable={n: copy_(n, t) for n, t in ck.trainable.items()},
             frozen={n: t if n in keep else copy_(n, t) for n, t in ck.frozen.items()},
             optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,

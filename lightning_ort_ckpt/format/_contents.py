@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .dtypes import DataType
+from ._dtypes import DataType
 
 Tensor = Any  # torch.Tensor, numpy.ndarray or StoredAs; kept loose so this layer imports neither torch nor Lightning.
 PropertyValue = Union[int, float, str]
@@ -45,7 +45,7 @@ class OptimizerGroup:
 
 
 @dataclass
-class Checkpoint:
+class CheckpointContents:
     """Everything an ODTC file can hold.
 
     ``properties`` values are int (int64), float (stored as float32, as in ORT) or str. ``nominal`` marks a

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .format.diskio import open_regular
-from .translation.counters import check_counters
+from .format._diskio import open_regular
+from ._translation.counters import check_counters
 
 
 def load_torch_file(load: Callable[..., Any], path: Any, map_location: Any, weights_only: bool | None) -> Any:

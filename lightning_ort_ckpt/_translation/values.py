@@ -87,7 +87,7 @@ class Unsaved:
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise CheckpointError(f"a checkpoint value was not saved and cannot be used: {self!r}; pass it again "
                               "(e.g. as a keyword argument of load_from_checkpoint) or save it in a form the "
-                              "checkpoint keeps (see lightning_ort_ckpt.translation.values)")
+                              "checkpoint keeps (see lightning_ort_ckpt._translation.values)")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):

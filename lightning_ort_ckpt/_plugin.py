@@ -12,7 +12,7 @@ file's ``.data`` is a hard link to the previous one's (``share_frozen``, on by d
 A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
 optimizer state keyed by parameter name. The plugin asks the Lightning strategy it is bound to for the module and
 its optimizers (:meth:`OrtCheckpointIOMixin.bind`): ``OrtCheckpoint`` binds it in its ``setup``, and so does a small
-callback that Lightning adds to every Trainer through its callback entry points (``lightning_ort_ckpt.binding``),
+callback that Lightning adds to every Trainer through its callback entry points (``lightning_ort_ckpt._binding``),
 for a plugin used with Lightning's own ``ModelCheckpoint``. Where there is none (the plugin called directly, outside
 a ``Trainer``), it saves every ``state_dict`` entry as frozen and optimizer state under index names ``param<i>``,
 with a warning: the file still resumes exactly in Lightning, but ORT cannot train from it.
@@ -43,17 +43,18 @@ import torch
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from . import lightning_compat, rng, sharing, staging
+from . import _lightning_adapter, _rng, _sharing, _staging
 from .errors import CheckpointError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
-from .format import GROUP_ZERO, Checkpoint, OptimizerGroup, load_checkpoint, open_checkpoint, storage
-from .format.diskio import open_regular
-from .format.schema import FILE_IDENTIFIER
-from .format.storage import StorageOptions
-from .format.writer import ExternalData
-from .namespaces import Namespace, loaded, namespace_of
-from .torch_files import load_torch_file
-from .translation.lightning import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort, with_aliases
-from .translation.optimizers import torch_state_from_ort
+from .format import GROUP_ZERO, CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint
+from .format import _store
+from .format._diskio import open_regular
+from .format._schema import FILE_IDENTIFIER
+from .format._store import StorageOptions
+from .format._writer import ExternalData
+from ._namespaces import Namespace, loaded, namespace_of
+from ._torch_files import load_torch_file
+from ._translation.lightning_dict import MANIFEST, ModuleInfo, from_ort, plain_ort_to_lightning, to_ort, with_aliases
+from ._translation.optimizers import torch_state_from_ort
 
 RNG_KEY = "lightning_ort_ckpt.rng_states"
 """Where the RNG states travel inside the checkpoint dict (restored on load when fitting)."""
@@ -89,15 +90,15 @@ class OrtCheckpointIOMixin:
         self.async_save = async_save
         self.share_frozen = share_frozen
         self.storage_options = storage_options
-        self._sharing = sharing.FrozenSharing(trust_parameters=share_frozen == "trusted")
+        self._sharing = _sharing.FrozenSharing(trust_parameters=share_frozen == "trusted")
         self._worker: _Worker | None = None
-        self._stager = staging.Stager()  # staging memory of asynchronous saves, reused from save to save
+        self._stager = _staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only (a spawn launcher pickles the Trainer): no thread, buffers or owner."""
-        return {**self.__dict__, "_worker": None, "_stager": staging.Stager(), "_owner": None,
-                "_sharing": sharing.FrozenSharing(self.share_frozen == "trusted")}
+        return {**self.__dict__, "_worker": None, "_stager": _staging.Stager(), "_owner": None,
+                "_sharing": _sharing.FrozenSharing(self.share_frozen == "trusted")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -106,7 +107,7 @@ class OrtCheckpointIOMixin:
                         storage_options: Any | None = None) -> None:
         self._raise_background_error()
         options = {**(self.storage_options or {}), **(storage_options or {})}
-        path = storage.local_path(path)
+        path = _store.local_path(path)
         strategy = self._owner_strategy(checkpoint.get("state_dict"))
         info = None
         if strategy is not None and strategy.lightning_module is not None:
@@ -115,30 +116,30 @@ class OrtCheckpointIOMixin:
             warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer, so it cannot tell trainable "
                           "parameters from buffers; all are saved as frozen and optimizer state by index. Lightning "
                           "resumes it exactly; ORT can load it but not train from it.", CheckpointWarning, stacklevel=2)
-        ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=self.ort_compatible)
+        ck = to_ort({**checkpoint, RNG_KEY: _rng.capture()}, info, ort_compatible=self.ort_compatible)
         module = strategy.lightning_module if info is not None else None
         snap = (self._sharing.snapshot(ck, path, module)
                 if self.share_frozen and self.external_data == "auto" and module is not None else None)
         if self.async_save:
             keep = snap.keep if snap is not None else set()
             staged, copy_later = self._stager.stage(
-                ck, path, staging.optimizer_tensors(strategy.optimizers if module is not None else []),
+                ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
                 module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, keep)
             self._run_later(copy_later)
             if snap is not None:
                 self._run_later(self._sharing.save, staged, path, snap, self.external_data, keep)
             else:
-                self._run_later(storage.save, staged, path, external_data=self.external_data,
+                self._run_later(_store.save, staged, path, external_data=self.external_data,
                                 storage_options=options)
         elif snap is not None:
             self._sharing.save(ck, path, snap, self.external_data)
         else:
-            storage.save(ck, path, external_data=self.external_data, storage_options=options)
+            _store.save(ck, path, external_data=self.external_data, storage_options=options)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         self.wait()
-        path = storage.local_path(path)
+        path = _store.local_path(path)
         if not is_ort_checkpoint(path, self.storage_options):
             torch_io = loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")
             return load_torch_file(torch_io().load_checkpoint, path, map_location, weights_only)
@@ -147,7 +148,7 @@ class OrtCheckpointIOMixin:
         states = checkpoint.get(RNG_KEY)  # left in the dict: OrtCheckpoint may need them again (on_train_start)
         if states is not None and _fitting(strategy):  # validate/test/predict must not reseed the process
             try:
-                rng.restore(states)
+                _rng.restore(states)
             except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise CorruptCheckpointError(f"its saved random states are damaged ({e})", os.fspath(path)) from None
         return _map_location(checkpoint, map_location)
@@ -156,19 +157,19 @@ class OrtCheckpointIOMixin:
         """Delete a checkpoint and its ``.data`` file (after any save still being written)."""
         self._raise_background_error()
         if self.async_save:
-            self._run_later(storage.remove, storage.local_path(path), self.storage_options)
+            self._run_later(_store.remove, _store.local_path(path), self.storage_options)
         else:
-            storage.remove(storage.local_path(path), self.storage_options)
+            _store.remove(_store.local_path(path), self.storage_options)
 
     def link(self, target: str | os.PathLike[str], linkpath: str | os.PathLike[str]) -> None:
         """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable; on a
         store without links (``s3://``...), a copy of it."""
         self._raise_background_error()
-        target, linkpath = storage.local_path(target), storage.local_path(linkpath)
+        target, linkpath = _store.local_path(target), _store.local_path(linkpath)
         if self.async_save:
-            self._run_later(storage.link_or_copy, target, linkpath, self.storage_options)
+            self._run_later(_store.link_or_copy, target, linkpath, self.storage_options)
         else:
-            storage.link_or_copy(target, linkpath, self.storage_options)
+            _store.link_or_copy(target, linkpath, self.storage_options)
 
     def wait(self) -> None:
         """Block until background work is done; raise the first error it met."""
@@ -198,14 +199,14 @@ class OrtCheckpointIOMixin:
         owner = self._owner() if self._owner is not None else None
         if owner is None:
             return None
-        io = lightning_compat.raw_checkpoint_io(owner)
+        io = _lightning_adapter.raw_checkpoint_io(owner)
         if io is not self and getattr(io, "checkpoint_io", None) is not self:  # used bare, or wrapped (async)
             return None
         return owner if not state_dict or _holds(owner, state_dict) else None
 
     def bind(self, strategy: Any) -> None:
         """Remember the strategy that uses this plugin, weakly: ``OrtCheckpoint`` and the callback of
-        ``lightning_ort_ckpt.binding`` call this in ``setup``, before anything is saved or restored."""
+        ``lightning_ort_ckpt._binding`` call this in ``setup``, before anything is saved or restored."""
         self._owner = weakref.ref(strategy)
 
 
@@ -249,8 +250,8 @@ class _Worker:
 
 def is_ort_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
     """Whether ``path`` (a file or an fsspec URL) holds an ORT checkpoint (by its file identifier, not its name)."""
-    if storage.is_remote(path):
-        return storage.read_head(path, 8, storage_options)[4:8] == FILE_IDENTIFIER
+    if _store.is_remote(path):
+        return _store.read_head(path, 8, storage_options)[4:8] == FILE_IDENTIFIER
     try:
         fd = open_regular(os.fspath(path))  # a FIFO must not block the test, nor a symlink loop raise
     except (OSError, CheckpointError):
@@ -276,7 +277,7 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
     only, lazily (views of the mapped file, verified as they are read), and leaves ``optimizer_states`` out.
     """
     path = os.fspath(path)
-    with storage.fetched(path, storage_options) as local:
+    with _store.fetched(path, storage_options) as local:
         if optimizer_states:
             ck = load_checkpoint(local)
         else:
@@ -292,7 +293,7 @@ def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None
                   "and callbacks start fresh", CheckpointWarning, stacklevel=3)
     if strategy is not None and strategy.lightning_module is not None:
         checkpoint["state_dict"] = with_aliases(checkpoint["state_dict"], strategy.lightning_module)
-        checkpoint["loops"] = {"fit_loop": lightning_compat.fit_loop_state_at_step(
+        checkpoint["loops"] = {"fit_loop": _lightning_adapter.fit_loop_state_at_step(
             strategy.lightning_module.trainer.fit_loop, step)}
         checkpoint["optimizer_states"] = _OptimizerStatesFromOrt(ck, strategy)
     return checkpoint
@@ -302,7 +303,7 @@ class _OptimizerStatesFromOrt(Sequence):
     """``optimizer_states`` for a file ORT wrote, built when Lightning restores the optimizers: ORT stores no
     hyperparameters, so they are the live optimizers' own, and those exist only after the file was read."""
 
-    def __init__(self, ck: Checkpoint, strategy: Any) -> None:
+    def __init__(self, ck: CheckpointContents, strategy: Any) -> None:
         self._ck = ck
         self._strategy = strategy
         self._built: list[dict[str, Any]] | None = None
@@ -355,7 +356,7 @@ def read_weights(path: str | os.PathLike[str], storage_options: StorageOptions |
 def _read_torch_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None,
                            mmap: bool) -> dict[str, Any]:
     try:
-        with storage.fetched(path, storage_options) as local:
+        with _store.fetched(path, storage_options) as local:
             checkpoint = torch.load(local, map_location="cpu", weights_only=True, mmap=mmap)
     except CheckpointError:  # a remote file that cannot be fetched: ours already, naming it
         raise
@@ -369,7 +370,7 @@ def _read_torch_checkpoint(path: str | os.PathLike[str], storage_options: Storag
 
 def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
     """An ORT file as Lightning's loader returns a checkpoint (for ``load_from_checkpoint`` and the spawn launcher's
-    weights hand-back, see ``lightning_compat.install_ort_loader``): no random states restored, none left in."""
+    weights hand-back, see ``_lightning_adapter.install_ort_loader``): no random states restored, none left in."""
     checkpoint = read_lightning_checkpoint(path)
     checkpoint.pop(RNG_KEY, None)
     return _map_location(checkpoint, map_location)
@@ -387,7 +388,7 @@ def _holds(strategy: Any, state_dict: dict[str, Any]) -> bool:
 
 def _trainer_state(strategy: Any) -> Any:
     module = strategy.lightning_module if strategy is not None else None
-    trainer = lightning_compat.trainer_of(module) if module is not None else None
+    trainer = _lightning_adapter.trainer_of(module) if module is not None else None
     return trainer.state if trainer is not None else None
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointWarning, CorruptCheckpointError
-from ..format import GROUP_ZERO, Checkpoint, DataType, OptimizerGroup, StoredAs
+from ..format import GROUP_ZERO, CheckpointContents, DataType, OptimizerGroup, StoredAs
 from . import FORMAT, MANIFEST, optimizers, values
 from .counters import check_counters
 
@@ -109,9 +109,9 @@ def _aliases_in(state_dict: dict[str, Any]) -> dict[str, str]:
     return aliases
 
 
-def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_compatible: bool = False) -> Checkpoint:
+def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_compatible: bool = False) -> CheckpointContents:
     """The ORT checkpoint holding everything in Lightning's checkpoint dict."""
-    out = Checkpoint()
+    out = CheckpointContents()
     cast: dict[str, str] = {}
 
     def store(t: torch.Tensor, where: str) -> torch.Tensor | StoredAs:
@@ -156,7 +156,7 @@ def _name_part(key: str) -> str:
     return key if _PLAIN.fullmatch(key) else f"#{zlib.crc32(key.encode()):08x}"
 
 
-def _optimizer_to_ort(index: int, opt_state: dict[str, Any], info: ModuleInfo | None, out: Checkpoint,
+def _optimizer_to_ort(index: int, opt_state: dict[str, Any], info: ModuleInfo | None, out: CheckpointContents,
                       store: Any, extra: values.TensorSink) -> dict[str, Any]:
     known = info is not None and index < len(info.optimizer_params) and all(info.optimizer_params[index])
     order = [i for g in opt_state.get("param_groups", []) for i in g.get("params", [])]
@@ -183,7 +183,7 @@ def _state_with_str_keys(opt_state: dict[str, Any]) -> dict[str, Any]:
     return {**opt_state, "state": {str(k): v for k, v in opt_state.get("state", {}).items()}}
 
 
-def from_ort(ck: Checkpoint, path: str, *, optimizer_states: bool = True) -> dict[str, Any]:
+def from_ort(ck: CheckpointContents, path: str, *, optimizer_states: bool = True) -> dict[str, Any]:
     """Lightning's checkpoint dict from an ORT checkpoint written by :func:`to_ort`, possibly trained on by ORT since.
 
     ``optimizer_states=False`` leaves the key out (``ck`` may then lack the optimizer groups: an export reads only
@@ -203,7 +203,7 @@ def from_ort(ck: Checkpoint, path: str, *, optimizer_states: bool = True) -> dic
         raise CorruptCheckpointError(f"its Lightning metadata ({MANIFEST}) is damaged: {e}", path) from None
 
 
-def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str, optimizer_states: bool) -> dict[str, Any]:
+def _from_manifest(ck: CheckpointContents, manifest: dict[str, Any], path: str, optimizer_states: bool) -> dict[str, Any]:
     params = {**ck.trainable, **ck.frozen}
     cast = manifest.get("cast", {})
 
@@ -244,7 +244,7 @@ def _from_manifest(ck: Checkpoint, manifest: dict[str, Any], path: str, optimize
     return out
 
 
-def _optimizer_from_ort(entry: dict[str, Any], ck: Checkpoint, source: values.TensorSource,
+def _optimizer_from_ort(entry: dict[str, Any], ck: CheckpointContents, source: values.TensorSource,
                         path: str) -> dict[str, Any]:
     group = ck.optimizer_groups.get(entry["group"])
     ort_group = ck.optimizer_groups.get(GROUP_ZERO)
@@ -283,7 +283,7 @@ def _state_kinds(entry: dict[str, Any]) -> str:
     return ", ".join(kinds) or "hyperparameters only"
 
 
-def plain_ort_to_lightning(ck: Checkpoint, lightning_version: str) -> dict[str, Any]:
+def plain_ort_to_lightning(ck: CheckpointContents, lightning_version: str) -> dict[str, Any]:
     """A Lightning checkpoint dict for a file written by ORT alone (no Lightning metadata).
 
     Weights come from the file; ``global_step`` is ORT's optimizer step; epoch starts at zero and schedulers start

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from .platform import portable_io
+from ._platform import portable_io
 
 BEHIND_BYTES = 8 << 20  # write-behind step: see WriteBehind
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4  # sync_file_range(2) flags

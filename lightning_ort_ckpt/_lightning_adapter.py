@@ -136,7 +136,7 @@ def _wrap(module: types.ModuleType, attr: str) -> None:
 
 def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
     def pl_load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from .plugin import is_ort_checkpoint, load_ort_for_lightning  # torch and Lightning: loaded by now
+        from ._plugin import is_ort_checkpoint, load_ort_for_lightning  # torch and Lightning: loaded by now
 
         served = _SERVED.get()
         if (served is not None and isinstance(path_or_url, (str, os.PathLike))
@@ -145,7 +145,7 @@ def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(path_or_url, (str, os.PathLike)):
             if not os.fspath(path_or_url).startswith(("http://", "https://")) and is_ort_checkpoint(path_or_url):
                 return load_ort_for_lightning(path_or_url, map_location)
-            from .torch_files import load_torch_file  # weights_only=True unless asked otherwise; our error
+            from ._torch_files import load_torch_file  # weights_only=True unless asked otherwise; our error
 
             weights_only = args[0] if args else kwargs.pop("weights_only", None)
             return load_torch_file(original, path_or_url, map_location, weights_only)
@@ -164,7 +164,7 @@ def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _is_ort_stream(stream: Any) -> bool:
     """Whether a seekable binary file object holds an ORT checkpoint (its position is left as it was)."""
-    from .format.schema import FILE_IDENTIFIER
+    from .format._schema import FILE_IDENTIFIER
 
     if not all(callable(getattr(stream, m, None)) for m in ("read", "seek", "tell")):
         return False

@@ -10,7 +10,7 @@ read-only when written, so that ONNX Runtime's own ``save_checkpoint`` to such a
 file under the other checkpoints (a process running as root is not stopped by the mode: see docs/format.md).
 
 This module says what a save shares (:class:`SharedFrozen`) and what it wrote (:class:`SavedData`); deciding which
-tensors are unchanged is the caller's (``lightning_ort_ckpt.sharing``); planning and streaming are the writer's.
+tensors are unchanged is the caller's (``lightning_ort_ckpt._sharing``); planning and streaming are the writer's.
 """
 
 from __future__ import annotations

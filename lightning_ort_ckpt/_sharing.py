@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from .errors import CheckpointSaveError
-from .format import Checkpoint, data_path, save_checkpoint, storage
-from .format.checksums import param_key
-from .format.shared import Identity, NotShared, SavedData, SharedFrozen, identity
-from .format.writer import ExternalData
+from .format import CheckpointContents, data_path, save_checkpoint
+from .format import _store
+from .format._checksums import param_key
+from .format._shared_data import Identity, NotShared, SavedData, SharedFrozen, identity
+from .format._writer import ExternalData
 
 MIN_BYTES = 64 << 10
 """A frozen tensor smaller than this stays inline (rewritten by every save)."""
@@ -98,10 +99,10 @@ class FrozenSharing:
         # them in place without bumping the counter): never shared again, always written inline
         self._volatile: set[str] = set()
 
-    def snapshot(self, ck: Checkpoint, path: str, module: torch.nn.Module) -> Snapshot | None:
+    def snapshot(self, ck: CheckpointContents, path: str, module: torch.nn.Module) -> Snapshot | None:
         """On the training thread, at the save call: the frozen tensors of ``ck`` that are the module's own and
         large enough, or None when this save cannot share (a remote path, too little to share)."""
-        if storage.is_remote(path) or not hasattr(os, "link"):
+        if _store.is_remote(path) or not hasattr(os, "link"):
             return None
         live_tensors = module.state_dict(keep_vars=True)
         live: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]] = {}
@@ -120,7 +121,7 @@ class FrozenSharing:
         self._calls[directory] = snap
         return snap
 
-    def save(self, ck: Checkpoint, path: str, snap: Snapshot, external_data: ExternalData,
+    def save(self, ck: CheckpointContents, path: str, snap: Snapshot, external_data: ExternalData,
              kept: Collection[str] = ()) -> None:
         """Write ``ck`` to ``path`` sharing what the previous save of the directory holds unchanged, and remember
         what this one holds. ``kept``: frozen parameters of ``ck`` that are the live ones, not staged copies (an
@@ -147,7 +148,7 @@ class FrozenSharing:
         if saved is not None:
             self._records[snap.directory] = self._remember(path, snap, saved, record)
 
-    def _spec(self, ck: Checkpoint, snap: Snapshot, record: _Record | None) -> SharedFrozen | None:
+    def _spec(self, ck: CheckpointContents, snap: Snapshot, record: _Record | None) -> SharedFrozen | None:
         if record is not None:
             same = {n: record.offsets[n] for n in snap.live if n in record.offsets and n not in self._volatile
                     and snap.still(n, record.seen.get(n))}

@@ -29,14 +29,14 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from . import atomic, checksums
-from .checkpoint import Checkpoint, OptimizerGroup, PropertyValue
-from .diskio import check_regular, open_regular, read_range
-from .dtypes import DataType
-from .layout import MAX_FLATBUFFER_SIZE
-from .platform import portable_io
-from .schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
-                     OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
+from . import _atomic, _checksums
+from ._contents import CheckpointContents, OptimizerGroup, PropertyValue
+from ._diskio import check_regular, open_regular, read_range
+from ._dtypes import DataType
+from ._flatbuffers import MAX_FLATBUFFER_SIZE
+from ._platform import portable_io
+from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
+                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
 Storage = Literal["inline", "external", "strings", "none"]
 Kind = Literal["trainable", "frozen", "momentum"]
@@ -86,7 +86,7 @@ class CheckpointReader:
         self._mapping = threading.Lock()
         self._data: Any = None  # the .data file opened with the checkpoint, as one consistent pair
         try:
-            fd, data_fd = atomic.open_pair(self.path)  # changes nothing on disk, even mid-commit
+            fd, data_fd = _atomic.open_pair(self.path)  # changes nothing on disk, even mid-commit
             self._data = None if data_fd is None else os.fdopen(data_fd, "rb", buffering=0)
         except (FileNotFoundError, NotADirectoryError):
             raise CorruptCheckpointError("no such checkpoint file", self.path) from None
@@ -120,7 +120,7 @@ class CheckpointReader:
 
     @property
     def data_path(self) -> str:
-        return atomic.data_path(self.path)
+        return _atomic.data_path(self.path)
 
     def tensors(self) -> list[TensorInfo]:
         """Every tensor: trainable, frozen, then optimizer momentums."""
@@ -130,7 +130,7 @@ class CheckpointReader:
                 out.extend(momentums.values())
         return out
 
-    checksums: checksums.Recorded | None
+    checksums: _checksums.Recorded | None
     """The tensor checksums the file records (None for a file ORT wrote: it records none)."""
 
     def checksum_status(self) -> str:
@@ -138,7 +138,7 @@ class CheckpointReader:
         r = self.checksums
         if r is None:
             return "no checksums (not written by lightning-ort-ckpt, e.g. by ONNX Runtime)"
-        if r.algorithm != checksums.ALGORITHM:
+        if r.algorithm != _checksums.ALGORITHM:
             return f"checksums of an unknown algorithm {r.algorithm!r}: not checked"
         if r.stale is not None:
             return f"checksums not checked: {r.stale}"
@@ -150,7 +150,7 @@ class CheckpointReader:
         if self.checksums is None or not self.checksums.usable or id(info) in self._verified:
             return
         if info.storage in ("inline", "external"):
-            h = checksums.hasher(int(info.dtype), info.shape)
+            h = _checksums.hasher(int(info.dtype), info.shape)
             h.update(self._raw(info))
             self._compare(info, h.intdigest())
         self._verified.add(id(info))
@@ -233,8 +233,8 @@ class CheckpointReader:
             return np.empty(info.shape, dtype=dtype)
         return self._raw(info).view(dtype).reshape(info.shape)
 
-    def load(self, verify: bool = True) -> Checkpoint:
-        """Everything, as a :class:`Checkpoint` of torch tensors, each in memory of its own (nothing left mapped).
+    def load(self, verify: bool = True) -> CheckpointContents:
+        """Everything, as a :class:`CheckpointContents` of torch tensors, each in memory of its own (nothing left mapped).
 
         Each tensor is read from the file straight into memory of its own, in file order (``diskio.read_range``):
         no buffer ever holds the whole file, and a tensor kept alive keeps only its own bytes alive (the optimizer
@@ -272,7 +272,7 @@ class CheckpointReader:
             if hashing is not None:
                 hashing.shutdown(cancel_futures=True)
             self._own.clear()  # the tensors hold their memory now; a reader kept open must not
-        return Checkpoint(
+        return CheckpointContents(
             trainable={n: fresh[id(i)] for n, i in self.trainable.items()},
             frozen={n: fresh[id(i)] for n, i in self.frozen.items()},
             optimizer_groups={g.name: OptimizerGroup(g.step, g.initial_learning_rate,
@@ -281,11 +281,11 @@ class CheckpointReader:
                               for g in self.optimizer_groups.values()},
             properties=dict(self.properties), nominal=self.nominal)
 
-    def module_state(self) -> Checkpoint:
+    def module_state(self) -> CheckpointContents:
         """The parameters, buffers and properties, and the optimizer groups without their tensors, as zero-copy
         views of the mapped file (each checked against its checksum as it is read when the reader verifies): what an
         export needs, at the cost of the module's bytes only; none of the optimizer's bytes are read."""
-        return Checkpoint(trainable={n: self.torch(i) for n, i in self.trainable.items()},
+        return CheckpointContents(trainable={n: self.torch(i) for n, i in self.trainable.items()},
                           frozen={n: self.torch(i) for n, i in self.frozen.items()},
                           optimizer_groups={g.name: OptimizerGroup(g.step, g.initial_learning_rate)
                                             for g in self.optimizer_groups.values()},
@@ -471,21 +471,21 @@ class CheckpointReader:
                                  f"{info.offset + info.nbytes:,} of {self.data_path}, which has only {size:,}")
 
     def _read_checksums(self) -> None:
-        text = self.properties.pop(checksums.PROPERTY, None)  # ours, not the user's: never handed back as one
-        self._keys: dict[int, str] = {id(i): checksums.param_key(n)
+        text = self.properties.pop(_checksums.PROPERTY, None)  # ours, not the user's: never handed back as one
+        self._keys: dict[int, str] = {id(i): _checksums.param_key(n)
                                       for n, i in (*self.trainable.items(), *self.frozen.items())}
         for g in self.optimizer_groups.values():
             for param, momentums in g.states.items():
-                self._keys.update((id(i), checksums.state_key(g.name, param, m)) for m, i in momentums.items())
+                self._keys.update((id(i), _checksums.state_key(g.name, param, m)) for m, i in momentums.items())
         self.checksums = None
         if text is None:
             return
         try:
             if not self._groups_field:  # ORT's saves and ours always write it, if empty
                 raise ValueError("the file lacks the optimizer_groups field that was there when it was saved")
-            self.checksums = checksums.parse(text, {g.name: g.step for g in self.optimizer_groups.values()})
+            self.checksums = _checksums.parse(text, {g.name: g.step for g in self.optimizer_groups.values()})
         except (ValueError, RecursionError) as e:
-            raise self._fail(f"its tensor checksums (property {checksums.PROPERTY!r}) are damaged: {e}") from None
+            raise self._fail(f"its tensor checksums (property {_checksums.PROPERTY!r}) are damaged: {e}") from None
         if not self.checksums.usable:
             return
         present = set()
@@ -555,7 +555,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> Ch
     return CheckpointReader(path, verify=verify)
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> CheckpointContents:
     """Read the whole checkpoint at ``path`` into torch tensors, each in memory of its own (see
     :meth:`CheckpointReader.load`). Large tensors leave the page cache as they are copied, and their uncached part is
     read straight from the disk into their memory (see ``diskio.read_range``). With ``verify``

@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
-from . import atomic
-from . import checksums as _checksums
-from .checkpoint import Checkpoint
-from .writer import ExternalData, _Hashing, _plan_for_mode, _stream, _stream_external, _Tensors, save_checkpoint
+from . import _atomic
+from . import _checksums
+from ._contents import CheckpointContents
+from ._writer import ExternalData, _Hashing, _plan_for_mode, _stream, _stream_external, _Tensors, save_checkpoint
 
 StorageOptions = dict[str, Any]
 """fsspec's keyword arguments for the file system of a URL (credentials, ``client_kwargs``, s3fs's
@@ -85,7 +85,7 @@ def _protocols(fs: Any) -> set[str]:
 
 
 # -- saving -----------------------------------------------------------------------------------------------------
-def save(checkpoint: Checkpoint, path: str | os.PathLike[str], *, external_data: ExternalData = "auto",
+def save(checkpoint: CheckpointContents, path: str | os.PathLike[str], *, external_data: ExternalData = "auto",
          storage_options: StorageOptions | None = None) -> None:
     """Write ``checkpoint`` to ``path``: atomically on the local disk (``save_checkpoint``), streamed to the store
     for a URL (``.data`` first; the checkpoint appears whole or not at all, module doc)."""
@@ -102,13 +102,13 @@ def save(checkpoint: Checkpoint, path: str | os.PathLike[str], *, external_data:
         fs, where = _fs(path, storage_options)  # an unknown protocol, or its package missing, fails here
         fs.makedirs(posixpath.dirname(where), exist_ok=True)
         if plan.data_size is not None:
-            _upload(fs, atomic.data_path(where), lambda out: _stream_external(out, plan.external, tensors, unhashed))
+            _upload(fs, _atomic.data_path(where), lambda out: _stream_external(out, plan.external, tensors, unhashed))
             data_replaced = True
         written = _upload(fs, where, lambda out: _stream(out, plan.pieces, tensors, unhashed, record))
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - each store raises its own types (botocore, aiohttp, OSError...)
-        outcome = (f"its new {atomic.DATA_SUFFIX} file was stored already: a previous checkpoint at this path does "
+        outcome = (f"its new {_atomic.DATA_SUFFIX} file was stored already: a previous checkpoint at this path does "
                    "not load (a checksum error) until the next save of it" if data_replaced
                    else "the previous checkpoint at this path, if any, is unchanged")
         raise CheckpointSaveError(f"save failed ({type(e).__name__}: {e}); {outcome}", path) from e
@@ -172,8 +172,8 @@ def fetched(path: str | os.PathLike[str], storage_options: StorageOptions | None
             fs, where = _fs(path, storage_options)
             local = os.path.join(folder, posixpath.basename(where) or "checkpoint")
             fs.get_file(where, local)
-            if fs.isfile(atomic.data_path(where)):
-                fs.get_file(atomic.data_path(where), atomic.data_path(local))
+            if fs.isfile(_atomic.data_path(where)):
+                fs.get_file(_atomic.data_path(where), _atomic.data_path(local))
         except FileNotFoundError:
             raise CorruptCheckpointError("no such checkpoint file", path) from None
         except IsADirectoryError:
@@ -241,29 +241,29 @@ def list_files(directory: str, recursive: bool, storage_options: StorageOptions 
 def remove(path: str, storage_options: StorageOptions | None = None) -> None:
     """Delete a checkpoint and its ``.data``: the checkpoint first, so no reader finds one without its data."""
     if not is_remote(path):
-        atomic.remove(path)
+        _atomic.remove(path)
         return
     fs, where = _fs(path, storage_options)
-    for victim in (where, atomic.data_path(where)):
+    for victim in (where, _atomic.data_path(where)):
         if fs.exists(victim):
             fs.rm_file(victim)
 
 
 def link_or_copy(target: str, linkpath: str, storage_options: StorageOptions | None = None) -> None:
-    """``save_last="link"``: a symbolic link on the local disk (``atomic.link``); a server-side copy on a store,
+    """``save_last="link"``: a symbolic link on the local disk (``_atomic.link``); a server-side copy on a store,
     which has no links (``.data`` first, each object whole or not at all)."""
     if not is_remote(linkpath):
-        atomic.link(target, linkpath)
+        _atomic.link(target, linkpath)
         return
     fs, where = _fs(linkpath, storage_options)
     _, source = _fs(target, storage_options)
     try:
-        with_data = fs.isfile(atomic.data_path(source))
+        with_data = fs.isfile(_atomic.data_path(source))
         if with_data:
-            fs.copy(atomic.data_path(source), atomic.data_path(where))
+            fs.copy(_atomic.data_path(source), _atomic.data_path(where))
         fs.copy(source, where)
-        if not with_data and fs.isfile(atomic.data_path(where)):
-            fs.rm_file(atomic.data_path(where))  # an earlier last file's, which the new one (all inline) ignores
+        if not with_data and fs.isfile(_atomic.data_path(where)):
+            fs.rm_file(_atomic.data_path(where))  # an earlier last file's, which the new one (all inline) ignores
     except Exception as e:  # noqa: BLE001 - each store raises its own types
         raise CheckpointSaveError(f"cannot copy {target} to the last checkpoint ({type(e).__name__}: {e})",
                                   linkpath) from e
