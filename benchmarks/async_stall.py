@@ -58,7 +58,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import _rng as rng, _staging as staging
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt._plugin import RNG_KEY, OrtCheckpointIO
+from lightning_ort_ckpt._plugin import OrtCheckpointIO
+from lightning_ort_ckpt._rng import RNG_KEY
 from lightning_ort_ckpt._translation.lightning_dict import ModuleInfo, to_ort
 
 WIDTH = 512
@@ -129,8 +130,8 @@ class SaveBench(pl.Callback):
 
     def _writing(self) -> bool:
         """Whether the plugin's background worker has a task queued or running (private state, read only)."""
-        worker = getattr(self.plugin, "_worker", None)
-        return worker is not None and not worker.idle()
+        worker = getattr(self.plugin, "_queue", None)
+        return worker is not None and worker.busy()
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self._started_writing = self._writing()

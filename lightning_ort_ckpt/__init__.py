@@ -1,34 +1,42 @@
 """lightning-ort-ckpt: checkpoints that move between PyTorch Lightning and ONNX Runtime on-device training.
 
-Importing the package does not import torch; the format layer needs only numpy. It does teach Lightning's torch
-loader to read ORT files (``LightningModule.load_from_checkpoint``, spawn launchers), in copies of Lightning
-imported before or after it: see ``lightning_ort_ckpt._lightning_adapter.install_ort_loader``.
+Importing the package changes nothing in the process: no torch, no Lightning (the format layer needs only numpy; the
+Lightning classes load on first use), no callback added to any Trainer, no Lightning function replaced. See
+ARCHITECTURE.md for the layers.
 """
 
-from . import _lightning_adapter
-from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from .format import (CheckpointContents, CheckpointReader, DataType, OptimizerGroup, TensorInfo, load_checkpoint,
                      open_checkpoint, save_checkpoint)
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:  # what the names below are, for type checkers; at run time they load on first use
+    from ._binding import BindCheckpointIO
+    from ._callback import OrtCheckpoint
+    from ._plugin import OrtCheckpointIO
+    from ._reading import disable_ort_loading, enable_ort_loading
 
-_lightning_adapter.install_ort_loader()
+__version__ = "0.3.0"
+
+_LAZY = {"OrtCheckpoint": "._callback", "OrtCheckpointIO": "._plugin", "BindCheckpointIO": "._binding",
+         "enable_ort_loading": "._reading", "disable_ort_loading": "._reading"}
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     """The Lightning classes load on first use, so the format layer and the CLI never import torch or Lightning."""
-    if name == "OrtCheckpointIO":
-        from ._plugin import OrtCheckpointIO
+    if name in _LAZY:
+        import importlib
 
-        return OrtCheckpointIO
-    if name == "OrtCheckpoint":
-        from ._callback import OrtCheckpoint
-
-        return OrtCheckpoint
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "CheckpointReader", "CheckpointSaveError", "CorruptCheckpointError",
-    "DataType", "OptimizerGroup", "OrtCheckpoint", "OrtCheckpointIO", "TensorInfo", "load_checkpoint", "open_checkpoint", "save_checkpoint",
+    "BindCheckpointIO", "CheckpointConfigError", "CheckpointContents", "CheckpointError", "CheckpointReader",
+    "CheckpointSaveError", "CorruptCheckpointError", "DataType", "OptimizerGroup", "OrtCheckpoint",
+    "OrtCheckpointIO", "TensorInfo", "disable_ort_loading", "enable_ort_loading", "load_checkpoint",
+    "open_checkpoint", "save_checkpoint",
 ]

@@ -37,30 +37,34 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
 
 from __future__ import annotations
 
-import json
 import os
-import posixpath
 import warnings
-import zipfile
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from .errors import CheckpointError, CheckpointWarning
-from .format import load_checkpoint, open_checkpoint
-from .format import _store
-from .format._store import StorageOptions
-from .format._writer import ExternalData
+from . import _lightning_adapter
 from ._namespaces import loaded, namespace_of
+from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
+from ._binding import bound_plugin
+from ._reading import is_ort_checkpoint, read_contents, to_lightning
+from ._translation import MANIFEST
+from ._retention import retain
 from ._torch_files import load_torch_file
-from ._translation.lightning_dict import MANIFEST, from_ort
-from . import _lightning_adapter, _rng
-from ._plugin import RNG_KEY, OrtCheckpointIOMixin, is_ort_checkpoint, plugin_class_for
+from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
+from .format import CheckpointContents
+from .format._store import StorageOptions, Store, is_remote, local_path, store_for, strip_protocol
+from .format._writer import ExternalData
+
+_IO_SETTINGS = ("external_data", "ort_compatible", "async_save", "share_frozen", "storage_options")
 
 
 class OrtCheckpointMixin:
     """The behaviour of ``OrtCheckpoint``, shared by the ``pytorch_lightning`` and ``lightning.pytorch`` classes."""
+
+    plugin_class: ClassVar[type[OrtCheckpointIOMixin]] = OrtCheckpointIO
+    """The ``OrtCheckpointIO`` class of this callback's copy of Lightning."""
 
     def __init__(
         self,
@@ -80,21 +84,56 @@ class OrtCheckpointMixin:
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
         *,
-        include_optimizer_state: bool = True,
+        include_optimizer_state: bool | None = None,
         keep_newest: int | None = None,
-        async_save: bool = False,
-        external_data: ExternalData = "auto",
-        ort_compatible: bool = False,
-        share_frozen: bool | Literal["trusted"] = True,
+        checkpoint_io: OrtCheckpointIOMixin | None = None,
+        async_save: bool | None = None,
+        external_data: ExternalData | None = None,
+        ort_compatible: bool | None = None,
+        share_frozen: bool | Literal["trusted"] | None = None,
+        storage_options: StorageOptions | None = None,
         export_best_to: str | os.PathLike[str] | None = None,
         export_tolerance: float = 1e-5,
-        storage_options: StorageOptions | None = None,
     ) -> None:
+        """Every argument before ``*`` is ``ModelCheckpoint``'s, with its meaning (docs/callback.md lists where we
+        differ on purpose); the ones after it are ours.
+
+        Args:
+            include_optimizer_state: ORT's name for ``not save_weights_only`` (one setting: giving both, in
+                contradiction, is an error). False writes parameters only: small files to deploy, which cannot
+                resume a fit.
+            keep_newest: keep the newest N files saved (ORT's ``max_num_checkpoints``), next to the top k by metric.
+            checkpoint_io: the ``OrtCheckpointIO`` to write through, with its settings; installed on the Trainer in
+                ``setup``. Without it, one is built from the five settings below (``OrtCheckpointIO``'s arguments,
+                with its defaults), or the Trainer's own ``OrtCheckpointIO`` is used when it has one and none of
+                them is given.
+            async_save, external_data, ort_compatible, share_frozen, storage_options: ``OrtCheckpointIO``'s
+                arguments, for the plugin built here; not together with ``checkpoint_io``.
+            export_best_to: when fit ends, export the best checkpoint (the last one without ``monitor``) to this path
+                as an ONNX model verified against ONNX Runtime (``lightning_ort_ckpt.export``); the report is in
+                ``export_report``.
+            export_tolerance: the largest difference between ONNX Runtime's and torch's outputs that export accepts.
+
+        Raises:
+            CheckpointConfigError: an argument, or a combination of them, is invalid.
+        """
         for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
             if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+                raise CheckpointConfigError(f"{name} must be >= 0, got {value}")
         if keep_newest is not None and keep_newest < 1:
-            raise ValueError(f"keep_newest must be None or >= 1, got {keep_newest}")
+            raise CheckpointConfigError(f"keep_newest must be None or >= 1, got {keep_newest}")
+        if include_optimizer_state and save_weights_only:
+            raise CheckpointConfigError("include_optimizer_state=True contradicts save_weights_only=True: they are one "
+                                        "setting (include_optimizer_state=False is save_weights_only=True); give one")
+        settings = {k: v for k, v in (("external_data", external_data), ("ort_compatible", ort_compatible),
+                                      ("async_save", async_save), ("share_frozen", share_frozen),
+                                      ("storage_options", storage_options)) if v is not None}
+        if checkpoint_io is not None and settings:
+            raise CheckpointConfigError(f"{', '.join(settings)} configure the plugin: pass them to the "
+                                        "OrtCheckpointIO given as checkpoint_io, not to OrtCheckpoint")
+        if checkpoint_io is not None and not isinstance(checkpoint_io, self.plugin_class):
+            raise CheckpointConfigError(f"checkpoint_io must be a {self.plugin_class.__module__}."
+                                        f"{self.plugin_class.__qualname__}, got {type(checkpoint_io).__name__}")
         if keep_newest is not None and monitor is None and save_top_k == 1:
             save_top_k = -1  # without a metric, keep_newest alone decides which files go
         # ModelCheckpoint accepts one trigger; give it the first and set the others afterwards (they are checked
@@ -103,25 +142,21 @@ class OrtCheckpointMixin:
                     "train_time_interval": train_time_interval}
         given = {k: v for k, v in triggers.items() if v is not None}
         first = dict(list(given.items())[:1])
-        dirpath = _store.local_path(dirpath) if dirpath is not None else None  # file:// is the local disk
+        dirpath = local_path(dirpath) if dirpath is not None else None  # file:// is the local disk
         super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,  # type: ignore[call-arg]
                          save_last=save_last, save_top_k=save_top_k, save_on_exception=save_on_exception,
-                         save_weights_only=save_weights_only or not include_optimizer_state, mode=mode,
+                         save_weights_only=save_weights_only or include_optimizer_state is False, mode=mode,
                          auto_insert_metric_name=auto_insert_metric_name, save_on_train_epoch_end=save_on_train_epoch_end,
                          enable_version_counter=enable_version_counter, **first)
         if len(given) > 1:
             self._every_n_train_steps = every_n_train_steps or 0
             self._every_n_epochs = every_n_epochs or 0
             self._train_time_interval = train_time_interval
-        self.include_optimizer_state = include_optimizer_state
         self.keep_newest = keep_newest
-        self.async_save = async_save
-        self.external_data = external_data
-        self.ort_compatible = ort_compatible
-        self.share_frozen = share_frozen
+        self._own_io = checkpoint_io is not None or bool(settings)  # chosen here: the Trainer's may not replace it
+        self.checkpoint_io: OrtCheckpointIOMixin = checkpoint_io or self.plugin_class(**settings)
         self.export_best_to = export_best_to
         self.export_tolerance = export_tolerance
-        self.storage_options = storage_options
         self.export_report: Any = None
         self.current_score_step: int | None = None
         self._saved: list[str] = []  # files saved for top-k or periodically, oldest first
@@ -133,10 +168,8 @@ class OrtCheckpointMixin:
         self._link_target: str | None = None  # what last.ckpt points to once queued work is done
         self._in_batch_end = False
         self._found_last: str | None = None  # what ckpt_path="last" resolved to in this fit: rotates as usual
-        self._resume_rng: tuple[Any, Any] = (None, None)  # random states and epoch of the checkpoint resumed from
         self._monitor_value: Any = None
         self._monitor_step: int | None = None
-        self._io: OrtCheckpointIOMixin | None = None
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -150,7 +183,10 @@ class OrtCheckpointMixin:
             from .export import check_export_config
 
             check_export_config(pl_module, self.export_tolerance)
-        remote_link = self.save_last == "link" and _store.is_remote(self.dirpath)  # type: ignore[attr-defined]
+        dirpath = self.dirpath  # type: ignore[attr-defined]
+        if dirpath is not None and not is_remote(dirpath) and os.path.exists(dirpath) and not os.path.isdir(dirpath):
+            raise CheckpointConfigError(f"dirpath {dirpath!r} is a file, not a directory")
+        remote_link = self.save_last == "link" and is_remote(dirpath)
         if remote_link:  # ModelCheckpoint refuses links on a store; ours become copies (_link_checkpoint)
             self.save_last = True
         try:
@@ -159,27 +195,32 @@ class OrtCheckpointMixin:
             if remote_link:
                 self.save_last = "link"
         io = _lightning_adapter.raw_checkpoint_io(trainer.strategy)
-        if isinstance(io, OrtCheckpointIOMixin):
-            self._io = io
-            mine = (self.external_data, self.ort_compatible, self.async_save, self.share_frozen, self.storage_options)
-            theirs = (io.external_data, io.ort_compatible, io.async_save, io.share_frozen, io.storage_options)
-            if mine != ("auto", False, False, True, None) and mine != theirs:
-                warnings.warn("the Trainer already has an OrtCheckpointIO; its external_data, ort_compatible, "
-                              "async_save, share_frozen and storage_options apply, not those given to OrtCheckpoint",
-                              CheckpointWarning, stacklevel=2)
+        if isinstance(io, OrtCheckpointIOMixin) and io is not self.checkpoint_io:
+            if self._own_io:
+                raise CheckpointConfigError(
+                    "the Trainer already has an OrtCheckpointIO, and OrtCheckpoint was given plugin settings (or "
+                    "checkpoint_io) of its own: configure one plugin, either in Trainer(plugins=...) or here")
+            self.checkpoint_io = io  # the Trainer's plugin, with its settings
         elif io is None or type(io) in {ns.fabric_attr("plugins.io.torch_io.TorchCheckpointIO") for ns in loaded()}:
-            self._io = plugin_class_for(ns)(self.external_data, self.ort_compatible, self.async_save,
-                                            share_frozen=self.share_frozen, storage_options=self.storage_options)
-            trainer.strategy.checkpoint_io = self._io
-        else:
-            raise ValueError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the plugin "
-                             f"{type(io).__name__}; remove it or pass OrtCheckpointIO")
-        self._io.bind(trainer.strategy)
-        if self._io.storage_options is not None and _store.is_remote(self.dirpath):  # type: ignore[attr-defined]
-            _lightning_adapter.set_checkpoint_filesystem(self, self.dirpath, self._io.storage_options)  # type: ignore
+            trainer.strategy.checkpoint_io = self.checkpoint_io
+        elif io is not self.checkpoint_io:
+            raise CheckpointConfigError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the "
+                                        f"plugin {type(io).__name__}; remove it or pass OrtCheckpointIO")
+        self.checkpoint_io.bind(trainer.strategy)
+        if self.checkpoint_io.storage_options is not None and is_remote(dirpath):
+            _lightning_adapter.set_checkpoint_filesystem(self, dirpath, self.checkpoint_io.storage_options)
+
+    @property
+    def include_optimizer_state(self) -> bool:
+        """ORT's name for ``not save_weights_only``."""
+        return not self.save_weights_only  # type: ignore[attr-defined]
+
+    def _store(self, path: str | None = None) -> Store:
+        """The store of ``path`` (``dirpath`` by default), with the plugin's options."""
+        return store_for(path if path is not None else self.dirpath,  # type: ignore[attr-defined]
+                         self.checkpoint_io.storage_options)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        self._resume_rng = (checkpoint.get(RNG_KEY), checkpoint.get("epoch"))
         states = checkpoint.get("callbacks")
         twin = "ModelCheckpoint" + self.state_key[len(type(self).__qualname__):]  # type: ignore[attr-defined]
         if isinstance(states, dict) and self.state_key not in states and twin in states:  # type: ignore[attr-defined]
@@ -188,21 +229,14 @@ class OrtCheckpointMixin:
             states[self.state_key] = states[twin]  # type: ignore[attr-defined]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Random states once more for a checkpoint saved inside its epoch (at validation end, or mid-epoch).
-
-        The plugin restores them when the file is read, which is exact for a save at the end of a training epoch.
-        A resume inside the saved epoch first draws a DataLoader iterator that finishes that epoch (Lightning's
-        ``FitLoop.setup_data``); the uninterrupted run drew it before the save. Restoring again here undoes that.
-        """
-        (states, epoch), self._resume_rng = self._resume_rng, (None, None)
-        if states is not None and trainer.current_epoch == epoch:
-            _rng.restore(states)
+        """The random states of the checkpoint resumed from, where the uninterrupted run had them (see
+        ``OrtCheckpointIOMixin.restore_random_states``)."""
+        self.checkpoint_io.restore_random_states(trainer)
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._found_last = None
-        if self._io is not None:
-            self._io.wait()  # every file durable and every error raised before fit returns
+        self.checkpoint_io.wait()  # every file durable and every error raised before fit returns
         if stage == "fit" and self.export_best_to is not None and trainer.is_global_zero:
             self._export_best(type(pl_module))
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
@@ -353,20 +387,17 @@ class OrtCheckpointMixin:
 
     def _retain(self, trainer: Any) -> None:
         keep = set(self.best_k_models) | {self.best_model_path, self.last_model_path}  # type: ignore[attr-defined]
-        if self._link_target is None and self.last_model_path and os.path.islink(self.last_model_path):
-            self._link_target = os.path.join(os.path.dirname(self.last_model_path), os.readlink(self.last_model_path))
+        if self._link_target is None and self.last_model_path:
+            self._link_target = self._store(self.last_model_path).link_target(self.last_model_path)
         if self._link_target:  # never leave "last" dangling: its target goes only once the link has moved on
             keep.add(self._link_target)
         resumed = os.fspath(trainer.ckpt_path) if trainer.ckpt_path else None
         if resumed and _absolute(resumed) != self._found_last:  # a file the user chose: never deleted
             keep.add(resumed)
-        if self.keep_newest is not None:
-            keep.update(self._saved[-self.keep_newest:])
-            self._to_delete.update(self._saved[:-self.keep_newest])
-        for path in sorted(self._to_delete - keep):
+        delete, self._to_delete = retain(self._saved, self._to_delete, keep, self.keep_newest)
+        for path in delete:
             if self._should_remove_checkpoint(trainer, path, self.last_model_path or ""):
                 trainer.strategy.remove_checkpoint(path)
-            self._to_delete.discard(path)
             if path in self._saved:
                 self._saved.remove(path)
 
@@ -387,12 +418,9 @@ class OrtCheckpointMixin:
         name = os.path.basename(path)
         if not self.dirpath or name.startswith(".") or not name.endswith(self.FILE_EXTENSION):  # type: ignore[attr-defined]
             return False
-        if _store.is_remote(self.dirpath) or _store.is_remote(path):  # a store has no links: names are all
-            root, folder = posixpath.normpath(self.dirpath), posixpath.normpath(posixpath.dirname(path))
-            return _store.is_remote(path) and (folder == root or folder.startswith(root.rstrip("/") + "/"))
-        root = os.path.realpath(self.dirpath)
-        folder = os.path.realpath(os.path.dirname(path) or os.curdir)
-        return folder == root or folder.startswith(root.rstrip(os.sep) + os.sep)
+        if is_remote(self.dirpath) != is_remote(path):  # type: ignore[attr-defined]
+            return False
+        return self._store(path).contains(self.dirpath, path)  # type: ignore[attr-defined]
 
     def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:  # type: ignore[override]
         """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable; on a store
@@ -401,9 +429,8 @@ class OrtCheckpointMixin:
             raise CheckpointError(f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; "
                                   f"refusing to link {linkpath!r} to {filepath!r}", linkpath)
         if trainer.is_global_zero and _absolute(filepath) != _absolute(linkpath):
-            assert self._io is not None
-            self._io.link(filepath, linkpath)  # queued behind the save of filepath when saving asynchronously
-            self._link_target = None if _store.is_remote(linkpath) else filepath
+            self.checkpoint_io.link(filepath, linkpath)  # queued behind the save of filepath when saving asynchronously
+            self._link_target = None if is_remote(linkpath) else filepath
         trainer.strategy.barrier()
 
     # -- resume -------------------------------------------------------------------------------------------------
@@ -413,37 +440,26 @@ class OrtCheckpointMixin:
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
         nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # type: ignore[attr-defined]
         lasts = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
-        if _store.is_remote(directory):  # ModelCheckpoint's search drops the URL's protocol: put it back
-            candidates = {p for p in _store.list_files(directory, nested, self._storage_options())
-                          if p.endswith(self.FILE_EXTENSION)}  # type: ignore[attr-defined]
-            lasts = {p for p in candidates if os.path.normpath(_store.strip_protocol(p)) in lasts}
-        else:
-            candidates = set(lasts)
-        if directory and not _store.is_remote(directory) and os.path.isdir(directory):
-            for folder, subfolders, files in os.walk(directory):
-                subfolders[:] = sorted(d for d in subfolders if nested and not d.startswith("."))
-                candidates |= {os.path.join(folder, f) for f in files
-                               if f.endswith(self.FILE_EXTENSION) and not f.startswith(".")}  # type: ignore[attr-defined]
+        store = self._store(directory)
+        if is_remote(directory):  # ModelCheckpoint's search drops the URL's protocol: put it back
+            lasts = {p for p in store.list_files(directory, nested) if os.path.normpath(strip_protocol(p)) in lasts}
+        candidates = set(lasts) | {p for p in (store.list_files(directory, nested) if directory else [])
+                                   if p.endswith(self.FILE_EXTENSION)}  # type: ignore[attr-defined]
         # newest first; on a tie (a link and its target) the link, then Lightning's own last* names
-        options = self._storage_options()
-        newest_first = sorted(candidates, key=lambda p: (_store.modified(p, options), os.path.islink(p), p in lasts),
-                              reverse=True)
+        newest_first = sorted(candidates, key=lambda p: (store.modified(p), store.link_target(p) is not None,
+                                                         p in lasts), reverse=True)
+        io = bound_plugin(trainer) or self.checkpoint_io  # setup installs ours later, when the Trainer has none
         for path in newest_first:
             try:
-                with _store.fetched(path, options) as local:  # a file of a store is downloaded once for both
-                    problem = _unreadable(local) or _weights_only(local)
+                found = _resumable(path, self.checkpoint_io.storage_options)
             except CheckpointError as e:
-                problem = str(e).removeprefix(f"{path}: ")
-            if problem is None:
-                self._found_last = _absolute(path)
-                return {path}
-            warnings.warn(f"{path} cannot be resumed from ({problem}); trying the next newest checkpoint",
-                          CheckpointWarning, stacklevel=2)
+                warnings.warn(f"{path} cannot be resumed from ({str(e).removeprefix(f'{path}: ')}); trying the next "
+                              "newest checkpoint", CheckpointWarning, stacklevel=2)
+                continue
+            io.hold(path, found)
+            self._found_last = _absolute(path)
+            return {path}
         return set()
-
-    def _storage_options(self) -> StorageOptions | None:
-        """The options the files are written with: the plugin's (they may come from the Trainer's plugin)."""
-        return self._io.storage_options if self._io is not None else self.storage_options
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,  # type: ignore[misc]
@@ -457,7 +473,7 @@ class OrtCheckpointMixin:
         self._restored_monitor = self._monitor_value is not None
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # only our own files, and never trusted beyond
             self._saved = [p for p in state_dict.get("saved", [])
-                           if self._confined(p) and _store.exists(p, self._storage_options())]
+                           if self._confined(p) and self._store(p).exists(p)]
             unranked = state_dict.get("last_unranked", "")
             self._last_unranked = unranked if self._confined(unranked) else ""
             named = [*self.best_k_models, self.kth_best_model_path, self.best_model_path,  # type: ignore[attr-defined]
@@ -471,55 +487,27 @@ class OrtCheckpointMixin:
 
 def _absolute(path: str) -> str:
     """The absolute form of a local path; a URL as it is."""
-    return path if _store.is_remote(path) else os.path.abspath(path)
+    return path if is_remote(path) else os.path.abspath(path)
 
 
-def _unreadable(path: str) -> str | None:
-    """Why ``path`` cannot be resumed from, or None: the full read a resume does, with every tensor checked against
-    its checksum and the Lightning metadata decoded. A torch file must load with ``weights_only=True``."""
-    import torch  # loaded with Lightning by now
+def _resumable(path: str, storage_options: StorageOptions | None) -> CheckpointContents | dict[str, Any]:
+    """What ``path`` holds, read once in full (every tensor checked against its checksum, the Lightning metadata
+    decoded), if a fit can resume from it; else our error saying why. A torch file must load with
+    ``weights_only=True``. Files ORT wrote alone are taken as they are (the plugin builds their optimizer state)."""
+    with warnings.catch_warnings():  # what the resume itself will say, said once
+        warnings.simplefilter("ignore")
+        if not is_ort_checkpoint(path, storage_options):
+            import torch  # loaded with Lightning by now
 
-    if not os.path.exists(path):
-        return "missing"
-    try:
-        with warnings.catch_warnings():  # what the resume itself will say, said once
-            warnings.simplefilter("ignore")
-            if not is_ort_checkpoint(path):
-                load_torch_file(torch.load, path, "cpu", True)
-                return None
-            ck = load_checkpoint(path)
-            if MANIFEST in ck.properties:
-                from_ort(ck, path)
-        return None
-    except CheckpointError as e:
-        return str(e).removeprefix(f"{path}: ")
-
-
-def _weights_only(path: str) -> str | None:
-    """"weights only" when ``path`` (readable) holds no optimizer state, so a fit cannot resume from it: for our
-    files, by the Lightning keys their manifest lists; for torch zip files, by the key's name in the pickle's bytes
-    (read, never unpickled). Files ORT wrote alone, and other files, are taken on trust."""
-    if is_ort_checkpoint(path):
-        try:
-            with open_checkpoint(path) as reader:
-                manifest = reader.properties.get(MANIFEST)
-        except CheckpointError as e:
-            return str(e).removeprefix(f"{path}: ")
-        if not isinstance(manifest, str):
-            return None  # written by ORT alone: the plugin builds its optimizer state
-        try:
-            keys = json.loads(manifest).get("keys", [])
-        except (ValueError, AttributeError):
-            return "its Lightning metadata is damaged"
-        return None if "optimizer_states" in keys else "weights only"
-    try:
-        with zipfile.ZipFile(path) as archive:
-            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if pickles and all(b"optimizer_states" not in archive.read(n) for n in pickles):
-                return "weights only"
-    except (OSError, zipfile.BadZipFile, KeyError, RuntimeError):
-        pass  # not a zip (an older torch file): Lightning will tell
-    return None
+            with store_for(path, storage_options).fetched(path) as local:
+                found: Any = load_torch_file(torch.load, local, "cpu", True)
+            checkpoint = found
+        else:
+            found = read_contents(path, storage_options)
+            checkpoint = to_lightning(found, path) if MANIFEST in found.properties else {"optimizer_states": []}
+    if not isinstance(checkpoint, dict) or "optimizer_states" not in checkpoint:
+        raise CheckpointError("weights only", path)
+    return found
 
 
 class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
-from .format import _store
+from .format._store import store_for
 from .format._reader import CheckpointReader, TensorInfo
 from ._translation import FORMAT, MANIFEST
 
@@ -69,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "export":
         return _export(args)
     try:
-        with _store.fetched(args.file) as local, CheckpointReader(local) as reader:  # a URL: downloaded first
+        with store_for(args.file).fetched(args.file) as local, CheckpointReader(local) as reader:  # a URL: downloaded first
             report = describe(reader)
             if local != args.file:  # the report names the URL, not the downloaded copy
                 report["file"] = args.file

@@ -6,19 +6,21 @@ smoke tests on the floor, the whole suite runs on the newest.
 
 Three kinds of use:
 
-- **reads** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`, :func:`validation_follows`,
-  :func:`trainer_of`) and of the fit loop's private state layout (:func:`fit_loop_state_at_step`): functions here;
+- **reads and calls** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`,
+  :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`) and of the fit loop's private
+  state layout (:func:`fit_loop_state_at_step`): functions here;
 - **overrides and calls** of ``ModelCheckpoint``'s private methods by ``OrtCheckpoint``: listed in
   :data:`MODEL_CHECKPOINT_PRIVATE` (the tests check that every supported Lightning has them);
-- **the one wrap** of a Lightning function, :func:`install_ort_loader`: Lightning's torch loader (``_load``, bound
-  as ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
-  content; everything else loads as before. It is what lets ``LightningModule.load_from_checkpoint`` read ORT files,
-  and the main process of the spawn/fork launchers read the weights file its worker wrote with ``OrtCheckpointIO``
-  (``_MultiProcessingLauncher`` reads it with the main process's ``TorchCheckpointIO``). ``import
-  lightning_ort_ckpt`` installs it, in copies of Lightning already imported and, through an import hook, in those
-  imported later; installing twice is a no-op. Within :func:`serving` it hands back a checkpoint dict already read
+- **the one wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
+  ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
+  content; every other file goes to Lightning's own function, unchanged. It is what lets
+  ``LightningModule.load_from_checkpoint`` read ORT files, and the main process of the spawn/fork launchers read the
+  weights file its worker wrote with ``OrtCheckpointIO`` (``_MultiProcessingLauncher`` reads it with the main
+  process's ``TorchCheckpointIO``). Nothing installs it at import: it is on while an ``OrtCheckpoint`` or
+  ``OrtCheckpointIO`` exists, or after ``lightning_ort_ckpt.enable_ort_loading()``, and Lightning's own function is
+  put back when neither holds it any more. Within :func:`serving` it hands back a checkpoint dict already read
   instead of reading the file again (export reads the weights once, then builds the module with
-  ``load_from_checkpoint``). This module imports neither torch nor Lightning.
+  ``load_from_checkpoint``). This module imports neither torch nor Lightning, nor any module of ours.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import importlib.abc
-import importlib.machinery
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from .format._schema import FILE_IDENTIFIER
 
 # (module, attribute) of Lightning's torch loader, per copy of Lightning: what install_ort_loader wraps
 LOADER_BINDINGS = (
@@ -94,6 +98,23 @@ def trainer_of(module: Any) -> Any:
     return module._trainer
 
 
+def restart_train_iterator(trainer: Any) -> None:
+    """Draw the training data iterator again, as the fit loop does at the start of an epoch (``iter`` of its data
+    fetcher): a resume at an epoch boundary then shuffles the next epoch from the random states it restored, as the
+    uninterrupted run did."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is not None:
+        iter(fetcher)
+
+
+def fitting(strategy: Any) -> bool:
+    """Whether the Trainer of ``strategy``'s module is fitting (``TrainerFn.FITTING``, in either Lightning)."""
+    module = strategy.lightning_module
+    trainer = trainer_of(module) if module is not None else None
+    fn = trainer.state.fn if trainer is not None else None
+    return fn is not None and fn.value == "fit"
+
+
 def fit_loop_state_at_step(fit_loop: Any, step: int) -> dict[str, Any]:
     """A fresh fit loop's state with ``step`` optimizer steps done: Lightning derives ``global_step`` from these
     counters, not from the checkpoint's ``global_step`` key."""
@@ -106,21 +127,79 @@ def fit_loop_state_at_step(fit_loop: Any, step: int) -> dict[str, Any]:
 
 
 # -- the loader wrap --------------------------------------------------------------------------------------------
-def install_ort_loader() -> None:
-    """Teach Lightning's torch loader to read ORT files, in every copy of Lightning, now or when it is imported."""
-    for module_name, attr in LOADER_BINDINGS:
-        module = sys.modules.get(module_name)
-        if module is not None:
-            _wrap(module, attr)
-    if not any(isinstance(f, _LoaderHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _LoaderHook())
+class OrtLoading:
+    """The wrap of Lightning's loader, on while anyone holds it: every holder is counted, the last release puts
+    Lightning's own functions back. ``is_ort`` and ``load_ort`` are the reader's (passed in: this module imports
+    none of ours)."""
+
+    def __init__(self) -> None:
+        self._holders = 0
+        self._lock = threading.Lock()
+        self._readers: tuple[Callable[[Any], bool], Callable[[Any, Any], Any]] | None = None
+        self._wrapped: list[tuple[types.ModuleType, str, Callable[..., Any]]] = []
+
+    @property
+    def on(self) -> bool:
+        return self._holders > 0
+
+    def acquire(self, is_ort: Callable[[Any], bool], load_ort: Callable[[Any, Any], Any]) -> None:
+        """Hold the wrap on; wrap the copies of Lightning imported since it was last put on."""
+        with self._lock:
+            self._holders += 1
+            self._readers = (is_ort, load_ort)
+            for module_name, attr in LOADER_BINDINGS:
+                module = sys.modules.get(module_name)
+                original = getattr(module, attr, None) if module is not None else None
+                if original is not None and not getattr(original, _MARK, False):
+                    setattr(module, attr, self._ort_aware(original))
+                    self._wrapped.append((module, attr, original))  # type: ignore[arg-type]
+
+    def release(self) -> None:
+        """Let go of one hold; the last one puts Lightning's own functions back."""
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+            if self._holders == 0:
+                for module, attr, original in reversed(self._wrapped):
+                    setattr(module, attr, original)
+                self._wrapped.clear()
+
+    def hold_while(self, owner: object, is_ort: Callable[[Any], bool], load_ort: Callable[[Any, Any], Any]) -> None:
+        """Hold the wrap on for as long as ``owner`` exists."""
+        self.acquire(is_ort, load_ort)
+        weakref.finalize(owner, self.release)
+
+    def _ort_aware(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def pl_load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+            served = _SERVED.get()
+            if (served is not None and isinstance(path_or_url, (str, os.PathLike))
+                    and os.path.abspath(os.fspath(path_or_url)) == served[0]):
+                return served[1]
+            assert self._readers is not None
+            is_ort, load_ort = self._readers
+            if isinstance(path_or_url, (str, os.PathLike)):
+                if not os.fspath(path_or_url).startswith(("http://", "https://")) and is_ort(path_or_url):
+                    return load_ort(path_or_url, map_location)
+            elif _is_ort_stream(path_or_url):
+                with tempfile.TemporaryDirectory(prefix="ort-ckpt-") as tmp:
+                    path = os.path.join(tmp, "checkpoint.ckpt")
+                    with open(path, "wb") as f:
+                        shutil.copyfileobj(path_or_url, f)
+                    return load_ort(path, map_location)
+            return original(path_or_url, map_location, *args, **kwargs)
+
+        setattr(pl_load, _MARK, True)
+        pl_load.__wrapped__ = original  # type: ignore[attr-defined]
+        return pl_load
+
+
+ORT_LOADING = OrtLoading()
 
 
 @contextlib.contextmanager
 def serving(path: str | os.PathLike[str], checkpoint: Any) -> Iterator[None]:
     """Within: Lightning's loader returns ``checkpoint`` for ``path`` instead of reading the file, so
     ``load_from_checkpoint`` builds the module (hparams, ``on_load_checkpoint``, strict loading) from what the caller
-    has read already."""
+    has read already. Only while :data:`ORT_LOADING` is on."""
     token = _SERVED.set((os.path.abspath(os.fspath(path)), checkpoint))
     try:
         yield
@@ -128,70 +207,11 @@ def serving(path: str | os.PathLike[str], checkpoint: Any) -> Iterator[None]:
         _SERVED.reset(token)
 
 
-def _wrap(module: types.ModuleType, attr: str) -> None:
-    original = getattr(module, attr, None)
-    if original is not None and not getattr(original, _MARK, False):
-        setattr(module, attr, _ort_aware(original))
-
-
-def _ort_aware(original: Callable[..., Any]) -> Callable[..., Any]:
-    def pl_load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from ._plugin import is_ort_checkpoint, load_ort_for_lightning  # torch and Lightning: loaded by now
-
-        served = _SERVED.get()
-        if (served is not None and isinstance(path_or_url, (str, os.PathLike))
-                and os.path.abspath(os.fspath(path_or_url)) == served[0]):
-            return served[1]
-        if isinstance(path_or_url, (str, os.PathLike)):
-            if not os.fspath(path_or_url).startswith(("http://", "https://")) and is_ort_checkpoint(path_or_url):
-                return load_ort_for_lightning(path_or_url, map_location)
-            from ._torch_files import load_torch_file  # weights_only=True unless asked otherwise; our error
-
-            weights_only = args[0] if args else kwargs.pop("weights_only", None)
-            return load_torch_file(original, path_or_url, map_location, weights_only)
-        elif _is_ort_stream(path_or_url):
-            with tempfile.TemporaryDirectory(prefix="ort-ckpt-") as tmp:
-                path = os.path.join(tmp, "checkpoint.ckpt")
-                with open(path, "wb") as f:
-                    shutil.copyfileobj(path_or_url, f)
-                return load_ort_for_lightning(path, map_location)
-        return original(path_or_url, map_location, *args, **kwargs)
-
-    setattr(pl_load, _MARK, True)
-    pl_load.__wrapped__ = original  # type: ignore[attr-defined]
-    return pl_load
-
-
 def _is_ort_stream(stream: Any) -> bool:
     """Whether a seekable binary file object holds an ORT checkpoint (its position is left as it was)."""
-    from .format._schema import FILE_IDENTIFIER
-
     if not all(callable(getattr(stream, m, None)) for m in ("read", "seek", "tell")):
         return False
     start = stream.tell()
     head = stream.read(8)
     stream.seek(start)
     return isinstance(head, bytes) and head[4:8] == FILE_IDENTIFIER
-
-
-class _LoaderHook(importlib.abc.MetaPathFinder):
-    """Wraps the loader in a copy of Lightning imported after ``lightning_ort_ckpt``: once one of
-    :data:`LOADER_BINDINGS`' modules has run, its loader binding is replaced."""
-
-    _targets = dict(LOADER_BINDINGS)
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None) -> Any:
-        if fullname not in self._targets:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-        attr = self._targets[fullname]
-
-        def exec_and_wrap(module: types.ModuleType) -> None:
-            exec_module(module)
-            _wrap(module, attr)
-
-        spec.loader.exec_module = exec_and_wrap  # type: ignore[method-assign]  # this spec's loader only
-        return spec

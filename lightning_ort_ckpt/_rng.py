@@ -11,6 +11,9 @@ import torch
 
 from .errors import CheckpointWarning
 
+RNG_KEY = "lightning_ort_ckpt.rng_states"
+"""Where the random states travel inside the checkpoint dict (restored when training starts, see ``_binding``)."""
+
 
 def capture() -> dict[str, Any]:
     """Python's, NumPy's and torch's global generators, and every CUDA device's when CUDA is in use."""

@@ -34,7 +34,6 @@ import torch
 
 from .errors import CheckpointSaveError
 from .format import CheckpointContents, data_path, save_checkpoint
-from .format import _store
 from .format._checksums import param_key
 from .format._shared_data import Identity, NotShared, SavedData, SharedFrozen, identity
 from .format._writer import ExternalData
@@ -101,9 +100,7 @@ class FrozenSharing:
 
     def snapshot(self, ck: CheckpointContents, path: str, module: torch.nn.Module) -> Snapshot | None:
         """On the training thread, at the save call: the frozen tensors of ``ck`` that are the module's own and
-        large enough, or None when this save cannot share (a remote path, too little to share)."""
-        if _store.is_remote(path) or not hasattr(os, "link"):
-            return None
+        large enough, or None when there is too little to share (the plugin asks only where the store can link)."""
         live_tensors = module.state_dict(keep_vars=True)
         live: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]] = {}
         for name, t in ck.frozen.items():

@@ -26,7 +26,6 @@ same step) reuses the first save's copies of every tensor whose version is uncha
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,10 +38,7 @@ from .format import CheckpointContents, OptimizerGroup, StoredAs
 
 _lock = threading.Lock()
 _pending: set[_Copy] = set()  # deferred copies not finished yet, across every plugin of the process
-_hook_installed = False
-_steps = 0  # optimizer steps taken in this process since the hook was installed
-WAITED = {"seconds": 0.0}
-"""Time optimizer steps spent waiting for deferred copies (part of an asynchronous save's stall; for benchmarks)."""
+_steps = 0  # optimizer steps taken in this process while the hook was installed
 
 
 def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -73,22 +69,35 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
 
 
 def _wait_for_copies() -> None:
-    if not _pending:
-        return
-    t0 = time.perf_counter()
     with _lock:
         copies = list(_pending)
     for copy in copies:
         copy.done.wait()
-    WAITED["seconds"] += time.perf_counter() - t0
 
 
-def _install_hook() -> None:
-    global _hook_installed
-    with _lock:
-        if not _hook_installed:
-            register_optimizer_step_pre_hook(_before_optimizer_step)
-            _hook_installed = True
+class _StepHook:
+    """torch's global optimizer step pre-hook, installed while at least one :class:`Stager` uses it: a plugin's
+    ``teardown`` closes its stager, and the last one to close removes the hook."""
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._handle: Any = None
+
+    def acquire(self) -> None:
+        with _lock:
+            self._users += 1
+            if self._handle is None:
+                self._handle = register_optimizer_step_pre_hook(_before_optimizer_step)
+
+    def release(self) -> None:
+        with _lock:
+            self._users -= 1
+            if self._users == 0 and self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+
+
+_HOOK = _StepHook()
 
 
 @dataclass(eq=False)
@@ -129,6 +138,14 @@ class Stager:
         # what each buffer holds a copy of, for tensors of the live module or optimizers: the source tensor (held, so
         # its memory cannot be freed and handed to another tensor meanwhile), its version and the step count then
         self._sources: dict[str, tuple[torch.Tensor, int, int]] = {}
+        self._hooked = False
+
+    def close(self) -> None:
+        """Free the staging memory and stop holding the optimizer step hook (once every save is written)."""
+        self._buffers, self._sources = {}, {}
+        if self._hooked:
+            self._hooked = False
+            _HOOK.release()
 
     def stage(self, ck: CheckpointContents, path: str, deferrable: Iterable[torch.Tensor], live: Iterable[torch.Tensor],
               wait_for_buffers: Callable[[], None], keep: Collection[str] = ()) -> tuple[CheckpointContents, _Copy]:
@@ -141,7 +158,9 @@ class Stager:
         memory that an earlier save may still be writing from: a save that reuses every copy waits for nothing.
         Frozen tensors named in ``keep`` stay the live ones, uncopied (``sharing``: unchanged frozen tensors that the
         save will most likely not write at all)."""
-        _install_hook()
+        if not self._hooked:
+            _HOOK.acquire()
+            self._hooked = True
         defer = {t.data_ptr() for t in deferrable if t.device.type == "cpu"}
         live_memory = defer | {t.data_ptr() for t in live}
         job = _Copy(path)

@@ -35,7 +35,7 @@ import torch
 
 from .errors import CheckpointError
 from .format import load_checkpoint, save_checkpoint
-from ._plugin import is_ort_checkpoint, read_any_checkpoint
+from ._reading import is_ort_checkpoint, read_any_checkpoint, serving
 from ._translation.lightning_dict import ModuleInfo, to_ort, trainable_set, with_aliases
 
 ORT_MAX_IR_VERSION = 10  # onnxruntime-training 1.19.2
@@ -128,7 +128,8 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
 
 def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn.Module:
     if isinstance(model, type):
-        return model.load_from_checkpoint(checkpoint, map_location="cpu")
+        with serving(checkpoint, state):  # what was read: the file is not read again
+            return model.load_from_checkpoint(checkpoint, map_location="cpu")
     model.load_state_dict(with_aliases(state["state_dict"], model))
     return model
 

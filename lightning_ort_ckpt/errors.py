@@ -27,3 +27,8 @@ class CheckpointSaveError(CheckpointError):
 
 class CheckpointWarning(UserWarning):
     """Something was saved or restored in a reduced form; the message names the key or parameter concerned."""
+
+
+class CheckpointConfigError(CheckpointError, ValueError):
+    """An argument of ``OrtCheckpoint`` or ``OrtCheckpointIO`` (or their combination with the Trainer) is invalid;
+    raised when they are built or set up, before anything is trained or saved."""

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _lightning_adapter
 from .errors import CheckpointError
-from .format import _atomic, _store
-from ._plugin import read_weights
+from ._reading import read_weights, serving
+from .format import _atomic
+from .format._store import is_remote
 from ._translation.lightning_dict import with_aliases
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
@@ -95,7 +95,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
                           checkpoint) from e
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     output_names = output_names or ([f"output{i}" for i in range(len(expected))] if len(expected) > 1 else ["output"])
-    source = checkpoint if _store.is_remote(checkpoint) else os.path.abspath(checkpoint)
+    source = checkpoint if is_remote(checkpoint) else os.path.abspath(checkpoint)
     metadata = {"lightning_ort_ckpt.source_checkpoint": source,
                 "lightning_ort_ckpt.global_step": "" if global_step is None else str(global_step),
                 "lightning_ort_ckpt.monitor": monitor or "", "lightning_ort_ckpt.score": "" if score is None else repr(score)}
@@ -164,7 +164,7 @@ def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn
     if isinstance(model, type):
         if not hasattr(model, "load_from_checkpoint"):
             raise ExportError(f"{model.__name__} is not a LightningModule class; pass a module instance instead")
-        with _lightning_adapter.serving(checkpoint, state):  # what was read: the file is not read again
+        with serving(checkpoint, state):  # what was read: the file is not read again
             return model.load_from_checkpoint(checkpoint, map_location="cpu")
     model.load_state_dict(with_aliases(state["state_dict"], model))
     return model

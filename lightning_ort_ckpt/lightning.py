@@ -1,8 +1,8 @@
 """The classes for ``lightning.pytorch`` Trainers (the ``lightning`` package).
 
-``from lightning_ort_ckpt.lightning import OrtCheckpoint, OrtCheckpointIO``; the top-level names are for
-``pytorch_lightning``. Importing this module imports ``lightning.pytorch``. A Trainer accepts callbacks and plugins
-of its own copy of Lightning only; ``OrtCheckpoint`` of the other copy raises in ``setup``.
+``from lightning_ort_ckpt.lightning import OrtCheckpoint, OrtCheckpointIO, BindCheckpointIO``; the top-level names
+are for ``pytorch_lightning``. Importing this module imports ``lightning.pytorch``. A Trainer accepts callbacks and
+plugins of its own copy of Lightning only; ``OrtCheckpoint`` of the other copy raises in ``setup``.
 """
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -13,23 +13,19 @@ from ._callback import OrtCheckpointMixin
 from ._plugin import OrtCheckpointIOMixin
 
 
+class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):
+    """``CheckpointIO`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see ``OrtCheckpointIOMixin``)."""
+
+
 class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see
-    ``lightning_ort_ckpt._callback``)."""
+    ``OrtCheckpointMixin``)."""
 
-
-class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):
-    """``CheckpointIO`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see
-    ``lightning_ort_ckpt._plugin``)."""
+    plugin_class = OrtCheckpointIO
 
 
 class BindCheckpointIO(BindCheckpointIOMixin, Callback):
     """Binds an ``OrtCheckpointIO`` to its ``lightning.pytorch`` Trainer (see ``lightning_ort_ckpt._binding``)."""
 
 
-def binding_callbacks() -> list[Callback]:
-    """The ``lightning.pytorch.callbacks_factory`` entry point: Lightning calls it for every Trainer."""
-    return [BindCheckpointIO()]
-
-
-__all__ = ["OrtCheckpoint", "OrtCheckpointIO"]
+__all__ = ["BindCheckpointIO", "OrtCheckpoint", "OrtCheckpointIO"]

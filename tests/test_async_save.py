@@ -95,14 +95,13 @@ sys.path.insert(0, {TESTS_DIR!r})
 from pathlib import Path
 import test_async_save as t
 dirpath, async_save = Path(sys.argv[1]), sys.argv[2] == "1"
-from lightning_ort_ckpt.format._store import save as save_checkpoint  # what the plugin queues
 queued = [0]
 def watch():  # how many saves wait in the plugin's queue (not yet being written), sampled while training runs
     while not done.is_set():
-        worker = getattr(t.IO, "_worker", None)
+        worker = getattr(t.IO, "_queue", None)
         if worker is not None:
             jobs = list(worker._queue.queue)
-            queued[0] = max(queued[0], sum(1 for fn, *_ in jobs if fn is save_checkpoint))
+            queued[0] = max(queued[0], sum(1 for job in jobs if isinstance(job, tuple) and getattr(job[0], "__name__", "") == "_write"))
         done.wait(0.002)
 done = threading.Event()
 threading.Thread(target=watch, daemon=True).start()

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, open_checkpoint
-from lightning_ort_ckpt.errors import CheckpointWarning
+from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
 from lightning_ort_ckpt.format import _atomic as atomic
 from ort_reference import ort_api
 
@@ -137,7 +137,7 @@ def ranked(callback: Any) -> dict[str, float]:
 
 def stored_state(path: Any) -> dict[str, Any]:
     """The OrtCheckpoint state recorded inside a file (read back through the plugin)."""
-    from lightning_ort_ckpt._plugin import read_lightning_checkpoint
+    from lightning_ort_ckpt._reading import read_lightning_checkpoint
 
     callbacks = read_lightning_checkpoint(path)["callbacks"]
     (state,) = [v for k, v in callbacks.items() if k.startswith("OrtCheckpoint")]
@@ -151,7 +151,7 @@ def test_callback_installs_plugin_and_writes_ort_files(tmp_path: Any) -> None:
     cb = OrtCheckpoint(dirpath=tmp_path)  # no plugins argument
     trainer = fit(cb, 2)
     assert isinstance(trainer.strategy.checkpoint_io, OrtCheckpointIO)
-    assert trainer.strategy.checkpoint_io is cb._io
+    assert trainer.strategy.checkpoint_io is cb.checkpoint_io
     assert files_after_fit(tmp_path) == {at_step(8)}  # save_top_k=1: the epoch-0 file was replaced
     assert_ort_files(tmp_path)  # checks bytes 4..8 == b"ODTC" and loads in ORT
 
@@ -262,10 +262,40 @@ def test_last_link_never_dangles_while_rotating(tmp_path: Any, monkeypatch: Any)
     assert len(seen) == 2 and files_after_fit(tmp_path) == {name(2, 12), "last.ckpt"}
 
 
-def test_callback_settings_conflicting_with_the_trainers_plugin_warn(tmp_path: Any) -> None:
+def test_callback_settings_conflicting_with_the_trainers_plugin_raise(tmp_path: Any) -> None:
+    """One plugin, configured in one place: settings given to the callback and a plugin given to the Trainer are
+    an error at setup (before any training), not a silent choice."""
     cb = OrtCheckpoint(dirpath=tmp_path, async_save=True)
-    with pytest.warns(CheckpointWarning, match="the Trainer already has an OrtCheckpointIO"):
+    with pytest.raises(CheckpointConfigError, match="the Trainer already has an OrtCheckpointIO"):
         fit(cb, 1, plugins=[OrtCheckpointIO()])
+    assert not list(tmp_path.iterdir())
+
+
+def test_callback_adopts_the_trainers_plugin_and_takes_one_of_its_own(tmp_path: Any) -> None:
+    io = OrtCheckpointIO(external_data="params")
+    cb = OrtCheckpoint(dirpath=tmp_path / "a")  # no settings: the Trainer's plugin is the one
+    trainer = fit(cb, 1, plugins=[io])
+    assert cb.checkpoint_io is io is trainer.strategy.checkpoint_io
+    assert all(os.path.exists(str(p) + ".data") for p in (tmp_path / "a").glob("*.ckpt"))
+    mine = OrtCheckpointIO(external_data="params")
+    cb = OrtCheckpoint(dirpath=tmp_path / "b", checkpoint_io=mine)
+    assert fit(cb, 1).strategy.checkpoint_io is mine
+    with pytest.raises(CheckpointConfigError, match="async_save configure the plugin"):
+        OrtCheckpoint(checkpoint_io=mine, async_save=True)
+
+
+@pytest.mark.parametrize("kwargs", [dict(every_n_train_steps=-1), dict(keep_newest=0), dict(share_frozen="yes"),
+                                    dict(external_data="sometimes"),
+                                    dict(save_weights_only=True, include_optimizer_state=True)])
+def test_configuration_errors_are_one_type(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(CheckpointConfigError):
+        OrtCheckpoint(**kwargs)
+
+
+def test_dirpath_that_is_a_file_fails_at_setup(tmp_path: Any) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(CheckpointConfigError, match="is a file, not a directory"):
+        fit(OrtCheckpoint(dirpath=tmp_path / "file"), 1)
 
 
 def test_async_saves_queued_at_exit_are_written(tmp_path: Any) -> None:
@@ -601,9 +631,9 @@ def test_lightning_packages(tmp_path: Any, package: str, explicit_plugin: bool) 
     trainer = fit(cb, 2, trainer_module=trainer_module, net_class=make_net_class(trainer_module.LightningModule),
                   **kwargs)
     assert type(trainer.strategy.checkpoint_io) is Plugin  # the named class of that copy of Lightning
-    assert cb._io is trainer.strategy.checkpoint_io
+    assert cb.checkpoint_io is trainer.strategy.checkpoint_io
     if explicit_plugin:
-        assert cb._io is kwargs["plugins"][0]  # the callback writes through the plugin it was given
+        assert cb.checkpoint_io is kwargs["plugins"][0]  # the callback writes through the plugin it was given
     expected = {name(0, 4), name(1, 8)}
     if explicit_plugin:
         expected |= {n + ".data" for n in expected}
@@ -616,7 +646,7 @@ def test_lightning_packages(tmp_path: Any, package: str, explicit_plugin: bool) 
 
 def _fail_after_first_save(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Make the plugin's background writer fail (OSError) on every save after the first; returns the saved paths."""
-    from lightning_ort_ckpt.format import _store as storage  # where the plugin's saves of local paths go
+    from lightning_ort_ckpt import _plugin as storage  # where the plugin's saves go
 
     real, calls = storage.save_checkpoint, []
 

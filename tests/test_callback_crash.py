@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt._plugin import read_lightning_checkpoint
+from lightning_ort_ckpt._reading import read_lightning_checkpoint
 
 pytestmark = [
     pytest.mark.filterwarnings("error::lightning_ort_ckpt.errors.CheckpointWarning"),

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import load_checkpoint
-from lightning_ort_ckpt._plugin import read_lightning_checkpoint
+from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from ort_reference import ort_api, ort_parameters
 
 STEPS, HALF = 16, 8  # 64 samples, batch 4, split over 2 ranks: 8 steps per epoch

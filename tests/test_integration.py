@@ -169,7 +169,7 @@ def test_spawn_and_fork_launchers_with_the_callback_alone(strategy: str, model_m
         warnings.filterwarnings("ignore")
         import pytorch_lightning as pl, torch
         from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
-        from lightning_ort_ckpt._plugin import read_lightning_checkpoint
+        from lightning_ort_ckpt._reading import read_lightning_checkpoint
         import itmodel
 
         PlNet = itmodel.named(pl.LightningModule, "PlNet", __name__)

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
-from lightning_ort_ckpt._plugin import read_lightning_checkpoint
+from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from test_resume import ResumableShuffleLoader
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -97,8 +97,8 @@ class Announce(pl.Callback):
         print(f"training {trainer.global_step}", flush=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        worker = trainer.strategy.checkpoint_io._worker  # test-only look: are saves still queued at the signal?
-        busy = worker is not None and not worker.idle()
+        worker = trainer.strategy.checkpoint_io._queue  # test-only look: are saves still queued at the signal?
+        busy = worker is not None and worker.busy()
         print(f"interrupted {trainer.global_step} {type(exception).__name__} busy={busy}", flush=True)
 
 

@@ -34,8 +34,9 @@ import torch
 
 from lightning_ort_ckpt import CheckpointSaveError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint
-from lightning_ort_ckpt.format import _store as storage
-from lightning_ort_ckpt._plugin import read_lightning_checkpoint
+from lightning_ort_ckpt.format import save_checkpoint
+from lightning_ort_ckpt.format._store import store_for, strip_protocol
+from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from ort_reference import assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO, Entry
 
@@ -267,7 +268,7 @@ def test_storage_options_alone_reach_the_store(s3: Store, monkeypatch: pytest.Mo
     type(s3.fs).clear_instance_cache()  # no file system object made with the server's endpoint is reused
     request.addfinalizer(type(s3.fs).clear_instance_cache)  # nor, later, one made with the closed port
     with pytest.raises(CheckpointSaveError):  # the check that this test means something: no options, no server
-        storage.save(big_checkpoint(1000, 0), s3.url("nowhere.ckpt"))
+        save_checkpoint(big_checkpoint(1000, 0), s3.url("nowhere.ckpt"))
     model = ENTRY.build(0)
     trainer = fit(model, [], plugins=[OrtCheckpointIO(storage_options=s3.options)], enable_checkpointing=False,
                   max_epochs=1)
@@ -311,7 +312,7 @@ def test_cli_inspects_verifies_and_exports_a_checkpoint_in_s3(s3: Store, s3_endp
     assert meta["lightning_ort_ckpt.source_checkpoint"] == url
 
     broken = s3.url("broken.ckpt")
-    s3.fs.pipe_file(storage.strip_protocol(broken), s3.read("end.ckpt")[:-100])  # truncated upload by another tool
+    s3.fs.pipe_file(strip_protocol(broken), s3.read("end.ckpt")[:-100])  # truncated upload by another tool
     invalid = run_cli("verify", broken, env=env)
     assert invalid.returncode == 1 and invalid.stderr.startswith(f"INVALID {broken}: "), invalid.stderr
     assert str(tmp_path) not in invalid.stderr  # the error names the URL, not the downloaded copy
@@ -346,10 +347,10 @@ def test_a_failed_upload_leaves_the_previous_object_and_nothing_pending(store: S
     url = store.url("x.ckpt")
     s3 = store.root.startswith("s3://")
     options = {**store.options, "default_block_size": BLOCK} if s3 else store.options
-    storage.save(big_checkpoint(1 << 20, 0), url, storage_options=options)
+    save_checkpoint(big_checkpoint(1 << 20, 0), url, storage_options=options)
     before = store.read("x.ckpt")
 
-    file_class = type(fsspec.core.url_to_fs(url, **options)[0].open(storage.strip_protocol(url), "rb"))
+    file_class = type(fsspec.core.url_to_fs(url, **options)[0].open(strip_protocol(url), "rb"))
     original, sent = file_class.write, []
 
     def write(self: Any, data: Any) -> int:
@@ -360,13 +361,13 @@ def test_a_failed_upload_leaves_the_previous_object_and_nothing_pending(store: S
 
     monkeypatch.setattr(file_class, "write", write)
     with pytest.raises(CheckpointSaveError, match=f"^{url}: save failed .*the connection broke mid-upload"):
-        storage.save(big_checkpoint(4 * BLOCK, 1), url, storage_options=options)
+        save_checkpoint(big_checkpoint(4 * BLOCK, 1), url, storage_options=options)
     monkeypatch.undo()
     assert sum(sent) > 2 * BLOCK  # it broke while the file was being sent
     assert store.read("x.ckpt") == before
     assert store.names() == ["x.ckpt"]  # no partial object, no temporary
     if s3:
-        bucket = storage.strip_protocol(store.root).split("/")[0]
+        bucket = strip_protocol(store.root).split("/")[0]
         assert store.fs.list_multipart_uploads(bucket) == []  # aborted, not left to linger (and be billed)
     assert_same_tensor(torch.from_numpy(read_checkpoint(url, options).trainable["w"].numpy()),
                        torch.from_numpy(big_checkpoint(1 << 20, 0).trainable["w"]), "w")
@@ -377,8 +378,8 @@ def test_a_pair_broken_between_its_two_uploads_is_a_loud_error_not_other_weights
     """External data: ``.data`` goes first, so a failure while the main file is uploaded leaves the new ``.data``
     beside the old main file. Loading it is CorruptCheckpointError naming the URL; the next save repairs it."""
     url = s3.url("pair.ckpt")
-    storage.save(big_checkpoint(1 << 20, 0), url, external_data="params", storage_options=s3.options)
-    file_class = type(s3.fs.open(storage.strip_protocol(url), "rb"))
+    save_checkpoint(big_checkpoint(1 << 20, 0), url, external_data="params", storage_options=s3.options)
+    file_class = type(s3.fs.open(strip_protocol(url), "rb"))
     original = file_class.write
 
     def write(self: Any, data: Any) -> int:
@@ -388,12 +389,12 @@ def test_a_pair_broken_between_its_two_uploads_is_a_loud_error_not_other_weights
 
     monkeypatch.setattr(file_class, "write", write)
     with pytest.raises(CheckpointSaveError, match="the connection broke mid-upload.*new .data file was stored"):
-        storage.save(big_checkpoint(1 << 20, 1), url, external_data="params", storage_options=s3.options)
+        save_checkpoint(big_checkpoint(1 << 20, 1), url, external_data="params", storage_options=s3.options)
     monkeypatch.undo()
     assert s3.names() == ["pair.ckpt", "pair.ckpt.data"]
     with pytest.raises(CorruptCheckpointError, match=f"^{url}: .*checksum"):
         read_checkpoint(url, s3.options)
-    storage.save(big_checkpoint(1 << 20, 1), url, external_data="params", storage_options=s3.options)
+    save_checkpoint(big_checkpoint(1 << 20, 1), url, external_data="params", storage_options=s3.options)
     assert_same_tensor(torch.from_numpy(read_checkpoint(url, s3.options).trainable["w"].numpy()),
                        torch.from_numpy(big_checkpoint(1 << 20, 1).trainable["w"]), "w")
 
@@ -403,7 +404,7 @@ _KILLED_SCRIPT = textwrap.dedent("""
     import numpy as np
     import s3fs
     from lightning_ort_ckpt.format import CheckpointContents
-    from lightning_ort_ckpt.format import _store as storage
+    from lightning_ort_ckpt.format import save_checkpoint
 
     url, endpoint, block = sys.argv[1], sys.argv[2], int(sys.argv[3])
     options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": endpoint}, "default_block_size": block}
@@ -418,7 +419,7 @@ _KILLED_SCRIPT = textwrap.dedent("""
 
     s3fs.core.S3File._upload_chunk = slow_network
     w = np.random.default_rng(1).standard_normal(4 * block // 4, dtype=np.float32)
-    storage.save(CheckpointContents(trainable={"w": w}, frozen={}, optimizer_groups={}, properties={}), url,
+    save_checkpoint(CheckpointContents(trainable={"w": w}, frozen={}, optimizer_groups={}, properties={}), url,
                  storage_options=options)
 """)
 
@@ -427,7 +428,7 @@ def test_a_killed_upload_leaves_the_previous_object(s3: Store, s3_endpoint: str)
     """SIGKILL mid-upload (a preempted machine past its grace period): nothing can abort the upload, and still the
     previous object is what readers get; the next save of the name completes normally."""
     url = s3.url("x.ckpt")
-    storage.save(big_checkpoint(1 << 20, 0), url, storage_options=s3.options)
+    save_checkpoint(big_checkpoint(1 << 20, 0), url, storage_options=s3.options)
     before = s3.read("x.ckpt")
     child = subprocess.Popen([sys.executable, "-c", _KILLED_SCRIPT, url, s3_endpoint, str(BLOCK)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -440,15 +441,15 @@ def test_a_killed_upload_leaves_the_previous_object(s3: Store, s3_endpoint: str)
         child.communicate()
     assert s3.read("x.ckpt") == before
     assert s3.names() == ["x.ckpt"]
-    bucket = storage.strip_protocol(s3.root).split("/")[0]
+    bucket = strip_protocol(s3.root).split("/")[0]
     assert len(s3.fs.list_multipart_uploads(bucket)) == 1  # left to the bucket's lifecycle rule (see the guide)
-    storage.save(big_checkpoint(2 * BLOCK, 2), url, storage_options=s3.options)
+    save_checkpoint(big_checkpoint(2 * BLOCK, 2), url, storage_options=s3.options)
     assert_same_tensor(torch.from_numpy(read_checkpoint(url, s3.options).trainable["w"].numpy()),
                        torch.from_numpy(big_checkpoint(2 * BLOCK, 2).trainable["w"]), "w")
 
 
 def read_checkpoint(url: str, options: dict[str, Any]) -> CheckpointContents:
-    with storage.fetched(url, options) as local:
+    with store_for(url, options).fetched(url) as local:
         return load_checkpoint(local)
 
 
@@ -456,7 +457,7 @@ _UPLOAD_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
     from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint
-    from lightning_ort_ckpt.format import _store as storage
+    from lightning_ort_ckpt.format import save_checkpoint
 
     def hwm():
         with open("/proc/self/status") as f:
@@ -467,9 +468,9 @@ _UPLOAD_SCRIPT = textwrap.dedent("""
                "default_block_size": block}
     tensors = {f"t{i}": np.full(nbytes // 8 // 4, i, dtype=np.float32) for i in range(8)}
     small = CheckpointContents(trainable={"w": np.ones(1000, np.float32)}, frozen={}, optimizer_groups={}, properties={})
-    storage.save(small, url + ".warmup", storage_options=options)  # the client, its pools and buffers: the baseline
+    save_checkpoint(small, url + ".warmup", storage_options=options)  # the client, its pools and buffers: the baseline
     baseline = hwm()
-    storage.save(CheckpointContents(trainable=tensors, frozen={}, optimizer_groups={}, properties={}), url,
+    save_checkpoint(CheckpointContents(trainable=tensors, frozen={}, optimizer_groups={}, properties={}), url,
                  storage_options=options)
     print(json.dumps({"growth": hwm() - baseline}))
 """)
@@ -483,7 +484,7 @@ def test_an_upload_holds_about_a_block_in_memory_not_the_checkpoint(s3: Store, s
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
     growth = json.loads(done.stdout.splitlines()[-1])["growth"]
-    assert s3.fs.size(storage.strip_protocol(url)) > nbytes
+    assert s3.fs.size(strip_protocol(url)) > nbytes
     # a few blocks and writes in flight (30 MiB measured here for 128, 256 and 512 MiB uploads), whatever the
     # checkpoint's size; a buffer of the whole file would be 256 MiB
     assert growth < nbytes // 4, f"peak memory grew by {growth / 2**20:.0f} MiB for a {nbytes >> 20} MiB upload"

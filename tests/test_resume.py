@@ -36,7 +36,9 @@ from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, DataType
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt._plugin import RNG_KEY, OrtCheckpointIO, read_lightning_checkpoint
+from lightning_ort_ckpt._plugin import OrtCheckpointIO
+from lightning_ort_ckpt._rng import RNG_KEY
+from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
 from lightning_ort_ckpt._translation.values import Unsaved
 from ort_reference import assert_same_tensor

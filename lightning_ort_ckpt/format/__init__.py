@@ -7,6 +7,6 @@ from ._reader import CheckpointReader, GroupInfo, TensorInfo, load_checkpoint, o
 from ._writer import save_checkpoint
 
 __all__ = [
-    "GROUP_ZERO", "Checkpoint", "CheckpointReader", "DataType", "GroupInfo", "OptimizerGroup", "TensorInfo",
+    "GROUP_ZERO", "CheckpointContents", "CheckpointReader", "DataType", "GroupInfo", "OptimizerGroup", "TensorInfo",
     "StoredAs", "data_path", "load_checkpoint", "open_checkpoint", "save_checkpoint",
 ]

@@ -28,13 +28,14 @@ from typing import Any, BinaryIO, Literal
 import numpy as np
 
 from ..errors import CheckpointSaveError
-from . import _atomic
+from ._atomic import SaveFiles
 from . import _checksums
 from ._contents import CheckpointContents, OptimizerGroup, PropertyValue, StoredAs, Tensor
 from ._diskio import BEHIND_BYTES, WriteBehind
 from ._dtypes import DataType, from_numpy, from_torch
 from ._flatbuffers import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from ._platform import portable_io
+from ._store import StorageOptions, Store, store_for
 from ._shared_data import NotShared, SavedData, SharedFrozen, identity
 from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
                       OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
@@ -49,8 +50,11 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str], *,
                     external_data: ExternalData = "auto", checksums: bool = True,
-                    shared: SharedFrozen | None = None) -> SavedData | None:
-    """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data).
+                    shared: SharedFrozen | None = None,
+                    storage_options: StorageOptions | None = None) -> SavedData | None:
+    """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data): a local path,
+    or an fsspec URL (``s3://bucket/run/last.ckpt``, with fsspec's ``storage_options``), through its store
+    (``_store``): plan every byte, stream the tensors into the store's new files, commit.
 
     ``external_data``: ``"auto"`` keeps everything in one file unless it would pass the FlatBuffers 2 GiB limit, then
     moves parameters (and, if still needed, optimizer momentums) to ``<path>.data``; ``"never"`` refuses instead;
@@ -67,34 +71,39 @@ def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str]
     put there is returned, or None where the file would pass 2 GiB that way and was written as ``"auto"`` writes it.
     """
     path = os.fspath(path)
+    store = store_for(path, storage_options)
+    if shared is not None and not store.links:
+        raise NotShared(path, [])
     if shared is not None and external_data == "auto":
         try:
-            return _save(checkpoint, path, "auto", checksums, shared)
+            return _save(checkpoint, path, store, "auto", checksums, shared)
         except _SharedTooLarge:
             pass
-    _save(checkpoint, path, external_data, checksums, None)
+    _save(checkpoint, path, store, external_data, checksums, None)
     return None
 
 
-def _save(checkpoint: CheckpointContents, path: str, external_data: ExternalData, checksums: bool,
+def _save(checkpoint: CheckpointContents, path: str, store: Store, external_data: ExternalData, checksums: bool,
           shared: SharedFrozen | None) -> SavedData | None:
     tensors = _Tensors(path)
     plan = _plan_for_mode(checkpoint, tensors, external_data, path, checksums, shared)
     link = (shared.link_from, shared.identity) if shared is not None and shared.link_from is not None else None
+    # a store that cannot write into a file it streamed (an upload) gets the checksum record computed first
+    record = plan.checksums.fill(_digests(tensors)) if plan.checksums is not None and not store.rewritable else None
     try:
-        with _atomic.atomic_save(path, with_data=plan.data_size is not None, link_data=link,  # type: ignore[arg-type]
-                                required_bytes=plan.size + (plan.data_size or 0)) as files:
+        with store.writing(path, with_data=plan.data_size is not None, link_data=link,  # type: ignore[arg-type]
+                           required_bytes=plan.size + (plan.data_size or 0)) as files:
             if link is not None and not files.linked:  # no link here (another file system): nothing written yet
                 raise NotShared(path, [])
-            with _Hashing(tensors, plan.checksums is not None) as hashing:
+            with _Hashing(tensors, plan.checksums is not None and record is None) as hashing:
                 for key in _to_verify(shared, plan, tensors) if plan.checksums is not None else ():
                     hashing.feed(key)  # on the helper thread, while the main file is written
-                written = _stream(files.main, plan.pieces, tensors, hashing)
+                written = _stream(files.main, plan.pieces, tensors, hashing, record)
                 if files.data is not None:
                     _stream_external(files.data, plan.external, tensors, hashing)
-            digests = hashing.digests() if plan.checksums is not None else {}
+            digests = hashing.digests() if plan.checksums is not None and record is None else {}
             saved = _check_shared(shared, plan, tensors, files, digests, path) if shared is not None else None
-            if plan.checksums is not None:
+            if plan.checksums is not None and record is None:
                 _write_at(files.main, hashing.record_offset, plan.checksums.fill(digests))
     except CheckpointSaveError:
         raise
@@ -106,7 +115,19 @@ def _save(checkpoint: CheckpointContents, path: str, external_data: ExternalData
     return saved
 
 
-def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: _atomic.SaveFiles,
+def _digests(tensors: _Tensors) -> dict[str, int]:
+    """Every tensor's checksum, read before streaming, for a store whose new files cannot be written back into."""
+    found = {}
+    for key, entry in enumerate(tensors.entries):
+        if entry.checksum_key is not None:
+            h = _checksums.hasher(int(entry.dtype), tuple(entry.dims))
+            for chunk, _ in tensors.chunks(key):
+                h.update(chunk)
+            found[entry.checksum_key] = h.intdigest()
+    return found
+
+
+def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: SaveFiles,
                   digests: dict[str, int], path: str) -> SavedData:
     """What the save put in ``.data``, once the linked tensors are confirmed to hold the linked bytes (``digests``,
     the hashes just computed, get the recorded ones of tensors that changed only after the save was asked for)."""
