@@ -11,10 +11,14 @@ new, whole) even while a commit is in progress or after a writer died in one, or
 Writers of one directory take a lock for the short commit (``flock`` on the directory, or a lock file where that is
 not available), so two processes saving the same path never undo each other's renames. Replaced and removed files get
 a hidden second name (``.<name>.<token>.old``) and are unlinked on a background thread (freeing gigabytes can take
-seconds on these disks); the queue is drained at exit. The token is ``<host>-<boot>.<pid>.<random>``: leftovers of a
-killed save are swept only when they are this host's, of this boot and of a process that no longer runs (or of an
-earlier boot), so a shared file system never loses another machine's save in progress; anything else is swept only
-when it is older than :data:`STALE_AGE_S`.
+seconds on these disks); the queue is drained at exit, or by :func:`drain_deletions`. The token is
+``<host>-<boot>.<pid>.<random>``: leftovers of a killed save are swept only when they are this host's, of this boot
+and of a process that no longer runs (or of an earlier boot), so a shared file system never loses another machine's
+save in progress; anything else is swept only when it is older than :data:`STALE_AGE_S`. A process lists a directory
+for leftovers once (its first save there); later saves look again only at the leftovers that had to wait.
+
+Every name we derive from a checkpoint's (temporaries, journal) fits wherever the checkpoint's own name fits: a name
+longer than the file system allows is cut short and tagged with a hash of the whole name (``_fitting``).
 """
 
 from __future__ import annotations
@@ -86,9 +90,63 @@ def _token() -> str:
     return f"{_HOST}-{_BOOT}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
+def _name_max(directory: str) -> int:
+    """The longest file name ``directory`` takes, in bytes (255 where the system does not say)."""
+    try:
+        limit = os.pathconf(directory, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):  # no pathconf (Windows), or no such directory yet
+        return 255
+    return limit if limit > 0 else 255
+
+
+def _fitting(directory: str, head: str, base: str, tail: str) -> str:
+    """``head + base + tail``, or where that is longer than ``directory`` allows, with ``base`` cut short and tagged
+    ``~<hash of base>``: a name derived from a checkpoint's must fit wherever the checkpoint's own name fits."""
+    limit = _name_max(directory)
+    if len(os.fsencode(head + base + tail)) <= limit:
+        return head + base + tail
+    tag = f"~{_short_hash(base)}"
+    cut = base
+    while cut and len(os.fsencode(head + cut + tag + tail)) > limit:  # whole characters, never half of one
+        cut = cut[:-1]
+    return head + cut + tag + tail
+
+
 def _hidden_name(path: str, token: str, suffix: str) -> str:
     directory, base = os.path.split(path)
-    return os.path.join(directory, f".{base}.{token}.{suffix}")
+    return os.path.join(directory, _fitting(directory, ".", base, f".{token}.{suffix}"))
+
+
+def _token_of(name: str, base: str) -> str | None:
+    """The token of ``name`` when it is a temporary name :func:`_hidden_name` gives a file named ``base`` (whole or
+    cut short), else None."""
+    m = re.fullmatch(rf"(?s)\.(?:{re.escape(base)}|(?P<cut>.*)~{_short_hash(base)})\.(?P<t>{_ANY_TOKEN})\.tmp", name)
+    if m is None or (m.group("cut") is not None and not base.startswith(m.group("cut"))):
+        return None
+    return m.group("t")
+
+
+def _journal_path(path: str) -> str:
+    """The commit journal of ``path``: ``<path>.commit``, cut short (see :func:`_fitting`) where that is too long."""
+    directory, base = os.path.split(path)
+    return os.path.join(directory, _fitting(directory, "", base, JOURNAL_SUFFIX))
+
+
+def _check_names_fit(path: str, with_data: bool) -> None:
+    """Refuse, before anything is written, a checkpoint or ``.data`` name longer than the file system allows: ORT
+    names the ``.data`` file after the checkpoint, so it cannot be cut short like our temporaries."""
+    directory, base = os.path.split(path)
+    limit = _name_max(directory)
+    size = len(os.fsencode(base))
+    if size > limit:
+        raise CheckpointSaveError(f"the file name is {size} bytes long and this file system allows at most {limit}; "
+                                  "nothing was written", path)
+    size += len(DATA_SUFFIX)
+    if with_data and size > limit:
+        raise CheckpointSaveError(
+            f"the name of its external data file (this name plus {DATA_SUFFIX}) would be {size} bytes long and this "
+            f"file system allows at most {limit}: ORT names that file after the checkpoint, so a checkpoint with a "
+            f"{DATA_SUFFIX} file needs a name of at most {limit - len(DATA_SUFFIX)} bytes; nothing was written", path)
 
 
 def _trash_name(path: str) -> str:
@@ -117,6 +175,7 @@ def atomic_save(path: str, *, with_data: bool, required_bytes: int,
     target = os.path.abspath(path)
     directory = os.path.dirname(target)
     _makedirs_durably(directory)
+    _check_names_fit(target, with_data)
     _sweep_stale(directory)
     free = shutil.disk_usage(directory).free
     if free < required_bytes:
@@ -176,7 +235,7 @@ def _commit(path: str, tmp_main: str, tmp_data: str | None, lock: _WriterLock) -
     failure is completed by the next writer, and readers see the pair the journal describes.
     """
     retired: list[str] = []
-    journal = path + JOURNAL_SUFFIX
+    journal = _journal_path(path)
     try:
         if tmp_data is None:
             try:
@@ -374,7 +433,7 @@ def _lock_file_is_stale(name: str) -> bool:
 def _read_journal(path: str) -> tuple[str, str] | None:
     """The two temporaries a pending commit of ``path`` names, or None: no journal, or one that is not ours (its
     names do not follow our temporary pattern for ``path``), which nothing acts on."""
-    journal = path + JOURNAL_SUFFIX
+    journal = _journal_path(path)
     try:
         fd = os.open(journal, os.O_RDONLY | _NONBLOCK)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
@@ -392,9 +451,9 @@ def _read_journal(path: str) -> tuple[str, str] | None:
         main, data = names["checkpoint"], names["data"]
     except (ValueError, KeyError, TypeError):
         return None
-    base = re.escape(os.path.basename(path))
-    m = re.fullmatch(rf"\.{base}\.(?P<t>{_ANY_TOKEN})\.tmp", main) if isinstance(main, str) else None
-    if m is None or data != f".{os.path.basename(path)}{DATA_SUFFIX}.{m.group('t')}.tmp":
+    base = os.path.basename(path)
+    token = _token_of(main, base) if isinstance(main, str) else None
+    if token is None or not isinstance(data, str) or _token_of(data, base + DATA_SUFFIX) != token:
         return None
     directory = os.path.dirname(path)
     return os.path.join(directory, main), os.path.join(directory, data)
@@ -418,7 +477,7 @@ def _recover_locked(path: str, lock: _WriterLock) -> bool:
             retired += _retire(path)
             os.replace(tmp_main, path)
         lock.fsync()
-        os.unlink(path + JOURNAL_SUFFIX)
+        os.unlink(_journal_path(path))
     except OSError as e:
         raise CorruptCheckpointError(f"a save was interrupted while replacing this checkpoint and its .data file, "
                                      f"and completing it failed ({e}); retry with write access to the directory",
@@ -426,6 +485,7 @@ def _recover_locked(path: str, lock: _WriterLock) -> bool:
     finally:
         for trash in retired:
             _UNLINKER.put(trash)
+    _forget_listing(os.path.dirname(path))  # a writer died here: what else it left, the next save's listing finds
     return True
 
 
@@ -439,7 +499,7 @@ def repair(path: str | os.PathLike[str]) -> bool:
     directory = os.path.dirname(path)
     with _WriterLock(directory) as lock:
         done = _recover_locked(path, lock)
-    _sweep_stale(directory)
+    _sweep_stale(directory, relist=True)
     return done
 
 
@@ -520,21 +580,55 @@ def _close(*fds: int | None) -> None:
 
 
 # -- leftovers --------------------------------------------------------------------------------------------------------
-def _sweep_stale(directory: str) -> None:
+_SWEPT_LOCK = threading.Lock()
+_WAITING: dict[str, set[str]] = {}  # each directory this process listed -> the leftovers there that had to wait
+
+
+def _sweep_stale(directory: str, *, relist: bool = False) -> None:
     """Queue for deletion what dead saves left in ``directory``: temporary files of interrupted saves, and replaced
     or deleted checkpoints killed before unlinking. Only this host's, of a dead process or an earlier boot; others'
-    (and names of older versions) only once older than :data:`STALE_AGE_S`."""
+    (and names of older versions) only once older than :data:`STALE_AGE_S`.
+
+    The directory is listed once per process (or with ``relist``): a directory of many files costs one listing per
+    run, not one per save. Later calls look again only at the leftovers that listing found and had to leave (a live
+    writer's, another host's, recent ones of older versions)."""
     now = time.time()
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            m = _LEFTOVER.match(entry.name)
-            dead = _dead(m) if m is not None else None if _OLD_LEFTOVER.match(entry.name) else False
-            if dead is None:  # we cannot tell: only by age
-                with contextlib.suppress(OSError):
-                    st = entry.stat(follow_symlinks=False)
-                    dead = now - max(st.st_mtime, st.st_ctime) > STALE_AGE_S
-            if dead:
-                _UNLINKER.put(entry.path)
+    with _SWEPT_LOCK:
+        names = None if relist else _WAITING.get(directory)
+        if names is None:
+            with os.scandir(directory) as entries:
+                names = {e.name for e in entries if _LEFTOVER.match(e.name) or _OLD_LEFTOVER.match(e.name)}
+        _WAITING[directory] = {name for name in names if not _swept(os.path.join(directory, name), now)}
+
+
+def _swept(path: str, now: float) -> bool:
+    """Queue the leftover ``path`` for deletion if its save is certainly dead; True when it is queued or gone."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return True
+    m = _LEFTOVER.match(os.path.basename(path))
+    dead = _dead(m) if m is not None else None
+    if dead is None:  # we cannot tell: only by age
+        dead = now - max(st.st_mtime, st.st_ctime) > STALE_AGE_S
+    if dead:
+        _UNLINKER.put(path)
+    return dead
+
+
+def _forget_listing(directory: str) -> None:
+    """Have the next save list ``directory`` again (a writer died there during this run)."""
+    with _SWEPT_LOCK:
+        _WAITING.pop(directory, None)
+
+
+def _reset_sweeps() -> None:
+    global _SWEPT_LOCK
+    _SWEPT_LOCK = threading.Lock()  # a forked child gets the lock as its parent's other threads held it
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_sweeps)
 
 
 def _dead(m: re.Match[str]) -> bool | None:
@@ -579,8 +673,11 @@ class _Unlinker:
                 self._thread.start()
         self._queue.put(path)
 
-    def join(self) -> None:
-        self._queue.join()
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until every queued file is deleted; False when ``timeout`` seconds passed first."""
+        done = self._queue.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._queue.unfinished_tasks, timeout)
 
     def drain(self) -> None:
         """Delete what is still queued on the calling thread too, and wait for the one being deleted."""
@@ -605,9 +702,16 @@ class _Unlinker:
 _UNLINKER = _Unlinker()
 
 
+def drain_deletions(timeout: float | None = None) -> bool:
+    """Wait until the files saves and removals replaced or deleted are gone (they are unlinked on a background
+    thread), so that no hidden ``.old`` file is left in the folder when training ends; False when ``timeout``
+    seconds passed first."""
+    return _UNLINKER.join(timeout)
+
+
 def wait_for_cleanup() -> None:
-    """Block until replaced files queued for deletion are gone (tests and benchmarks use this)."""
-    _UNLINKER.join()
+    """:func:`drain_deletions` without a time limit (the tests and benchmarks use this)."""
+    drain_deletions()
 
 
 # -- removal and links ------------------------------------------------------------------------------------------------
@@ -636,9 +740,11 @@ def link(target: str, linkpath: str) -> None:
     """
     linkpath = os.path.abspath(linkpath)
     directory = os.path.dirname(linkpath)
+    with_data = os.path.exists(data_path(target))
+    _check_names_fit(linkpath, with_data)
     token = _token()
     tmp_main = _hidden_name(linkpath, token, "tmp")
-    tmp_data = _hidden_name(data_path(linkpath), token, "tmp") if os.path.exists(data_path(target)) else None
+    tmp_data = _hidden_name(data_path(linkpath), token, "tmp") if with_data else None
     try:
         for source, tmp in ((target, tmp_main), (data_path(target), tmp_data)):
             if tmp is not None:
