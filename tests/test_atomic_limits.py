@@ -25,8 +25,8 @@ from ort_reference import assert_same_checkpoint
 
 from lightning_ort_ckpt import CheckpointSaveError
 from lightning_ort_ckpt.format import load_checkpoint, save_checkpoint
-from lightning_ort_ckpt.format import atomic
-from lightning_ort_ckpt.format.platform import PORTABLE_IO_ENV
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV
 
 
 @pytest.fixture(autouse=True)
