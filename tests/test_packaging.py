@@ -51,8 +51,8 @@ def test_sdist_and_wheel_carry_what_users_and_tests_need(tmp_path: Path) -> None
         'Requires-Dist: onnxruntime-training==1.19.2; (python_version == "3.11" and platform_system == "Linux" and '
         'platform_machine == "x86_64") and extra == "ort"', 'Requires-Dist: onnx>=1.15; extra == "ort"']
     assert "Requires-Dist: pytorch-lightning>=2.5.3" in requires
-    assert "[pytorch_lightning.callbacks_factory]" in entry_points
-    assert "[lightning.pytorch.callbacks_factory]" in entry_points
+    assert "ort-ckpt = lightning_ort_ckpt._cli:main" in entry_points
+    assert "callbacks_factory" not in entry_points  # installing the package adds nothing to other Trainers
 
 
 def test_env_script_installs_only_when_pyproject_or_pins_change(tmp_path: Path) -> None:
