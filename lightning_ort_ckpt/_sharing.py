@@ -14,8 +14,8 @@ written. That catches what the counter misses: BatchNorm's kernels update its ru
 bumping it (a buffer found changed that way is never shared again), and a write through ``tensor.data`` bypasses it
 (such a parameter gets a fresh ``.data``). A file never holds a frozen tensor other than the one saved. With
 ``trust_parameters`` (``share_frozen="trusted"``) frozen parameters are taken on torch's word and not hashed: a
-little faster on a busy machine (hashing 1 GB at every save cost up to 0.1 s there, docs/performance.md), but a
-write through ``.data`` then goes unseen and the file keeps the old bytes.
+little faster on a busy machine (docs/performance.md has the cost of hashing), but a write through ``.data`` then
+goes unseen and the file keeps the old bytes.
 
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a

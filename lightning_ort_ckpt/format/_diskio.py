@@ -174,8 +174,8 @@ def read_range(fd: int, start: int, size: int, path: str) -> np.ndarray:
     holds is copied from it (``RWF_NOWAIT`` reads stop at the first uncached page) and then dropped from the cache,
     and the rest is read with ``O_DIRECT``, from the disk straight into the memory (which then spans the whole blocks
     around the range; the array returned views the range). A buffered read of an uncached file would first fill the
-    page cache: as much fresh memory again as the file, which here costs more than the disk (a cold 3 GB load: 1.8 s,
-    against 9.0 s for a plain read; docs/performance.md), and it would push the training job's own files out of the
+    page cache: as much fresh memory again as the file, which on VMs costs more than the disk (docs/performance.md
+    has the measurements), and it would push the training job's own files out of the
     cache. Dropping what was copied keeps the checkpoint in memory once, not twice, and the pages it frees are the
     ones the next tensors then reuse, instead of fresh memory; a later load of the same file reads it directly, which
     is the fast path anyway. Pages that some process has mapped, or that are dirty, stay cached. Small ranges, and

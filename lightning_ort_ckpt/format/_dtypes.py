@@ -50,11 +50,6 @@ class DataType(enum.IntEnum):
         """Whether ORT 1.19.2's ``CheckpointState.load_checkpoint`` accepts tensors of this type."""
         return self in _ORT_LOADABLE
 
-    @property
-    def torch_name(self) -> str:
-        """Name of the torch dtype, e.g. ``"float32"``."""
-        return _TORCH_NAME[self]
-
     def to_torch(self) -> Any:
         """The torch dtype (imports torch)."""
         import torch

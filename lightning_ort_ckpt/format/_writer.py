@@ -633,8 +633,8 @@ class _Writer:
     ``BEHIND_BYTES`` of the file: pieces (metadata, whole small tensors, the part of a large one up to the step's end)
     are gathered by reference and written with one ``writev`` per step, and the write-behind then sends that step to
     the disk (a chunk converted into the save's scratch buffer is written at once: the next chunk reuses it).
-    Writing each tensor by itself, with writes that end anywhere, took 1.5x the time of one buffer written in the
-    same steps; gathered on step boundaries it takes the same (docs/performance.md). No byte is copied, so no fresh
+    Writes that end anywhere are slower than one buffer written in the same steps; gathered on step boundaries they
+    are not (docs/performance.md, ``benchmarks/write_patterns.py``). No byte is copied, so no fresh
     memory is touched (a staging buffer cost a copy and, on VMs, slow first touches)."""
 
     def __init__(self, out: BinaryIO, hashing: _Hashing) -> None:
