@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CorruptCheckpointError
-from .format import (CheckpointContents, CheckpointReader, DataType, OptimizerGroup, TensorInfo, load_checkpoint,
-                     open_checkpoint, save_checkpoint)
+from .format import (CheckpointContents, CheckpointReader, DataType, OptimizerGroup, TensorInfo, load_checkpoint, open_checkpoint, save_checkpoint)
 
 if TYPE_CHECKING:  # what the names below are, for type checkers; at run time they load on first use
     from ._binding import BindCheckpointIO

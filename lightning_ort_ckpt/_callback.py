@@ -22,7 +22,7 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
   monitor, mode and triggers hands its ranking over on resume.
 - **Asynchronous saving** (``async_save=True``): training goes on while the file is written; see OrtCheckpointIO.
 - **Remote ``dirpath``** (``s3://...``, any fsspec URL, with ``storage_options``): files are uploaded whole or not at
-  all (``format.storage``), listed and deleted on the store; ``save_last="link"``, which ModelCheckpoint refuses
+  all (``format._store``), listed and deleted on the store; ``save_last="link"``, which ModelCheckpoint refuses
   there, becomes a copy. A ``file://`` URL is the local path it names (ModelCheckpoint makes a folder ``file:``).
 - **"last" falls back**: ``ckpt_path="last"`` resumes from the newest checkpoint in ``dirpath`` that can resume a
   fit, skipping (with a warning) unreadable and weights-only files.
@@ -238,18 +238,20 @@ class OrtCheckpointMixin:
         self._found_last = None
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns
         if stage == "fit" and self.export_best_to is not None and trainer.is_global_zero:
-            self._export_best(type(pl_module))
+            self._export_best(pl_module)
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
 
-    def _export_best(self, module_class: type) -> None:
-        """``export_best_to``: the best checkpoint (else the last) as an ONNX model verified against ORT."""
+    def _export_best(self, module: Any) -> None:
+        """``export_best_to``: the best checkpoint (else the last) as an ONNX model verified against ORT, after the
+        module rebuilt from it is checked against the trained one (``module``)."""
         from .export import export_onnx
 
         source = self.best_model_path or self.last_model_path
         if not source:
             warnings.warn("export_best_to is set but no checkpoint was saved; nothing exported", CheckpointWarning)
             return
-        self.export_report = export_onnx(module_class, source, self.export_best_to, tolerance=self.export_tolerance)
+        self.export_report = export_onnx(type(module), source, self.export_best_to, tolerance=self.export_tolerance,
+                                         reference=module)
 
     # -- freshness of the monitored metric ----------------------------------------------------------------------
     def _note_monitor(self, trainer: Any) -> None:

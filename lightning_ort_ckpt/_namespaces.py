@@ -4,7 +4,7 @@
 and a Trainer accepts only callbacks and plugins of its own copy. Importing a copy takes seconds, so only copies the
 process has imported count: ``pytorch_lightning`` (our dependency, imported by the plugin) and ``lightning.pytorch``
 once the user (or ``lightning_ort_ckpt.lightning``) imports it. Lightning's private names are in
-``lightning_compat``.
+``_lightning_adapter``.
 """
 
 from __future__ import annotations

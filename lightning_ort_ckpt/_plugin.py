@@ -38,8 +38,7 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from . import _lightning_adapter, _rng, _sharing, _staging
 from ._async_saver import BackgroundQueue
-from ._reading import (hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file,
-                       to_lightning)
+from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointConfigError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError

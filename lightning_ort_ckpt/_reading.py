@@ -205,6 +205,9 @@ def map_location_of(checkpoint: dict[str, Any], map_location: Any) -> dict[str, 
     tensors, which are on the CPU (location ``"cpu"``)."""
     if map_location is None:
         return checkpoint
+    if "hyper_parameters" in checkpoint:  # no tensors to move there; rebuilding an OmegaConf config would resolve it
+        rest = map_location_of({k: v for k, v in checkpoint.items() if k != "hyper_parameters"}, map_location)
+        return {**rest, "hyper_parameters": checkpoint["hyper_parameters"]}
     if isinstance(map_location, dict):  # {"cuda:0": "cpu"}: only tensors saved at a key's location move
         target = map_location.get("cpu")
         return checkpoint if target is None else map_location_of(checkpoint, target)

@@ -4,21 +4,26 @@
 optimizer models) and writes the checkpoint as the starting state, with parameter names equal to the ``state_dict``
 keys. The trainable set is the checkpoint's (for an ORT file: its ``requires_grad`` parameters, which
 ``OrtCheckpointIO`` chose as those the first optimizer trains; see ``translation.lightning.trainable_set``), so
-ORT's ``Optimizer`` finds state for each. Four things ORT 1.19.2 needs handled:
+ORT's ``Optimizer`` finds state for each. What ORT 1.19.2 needs handled:
 
-- The module is exported in training mode, so the training model keeps Dropout and BatchNorm's batch statistics
+- The training model is exported in training mode, so it keeps Dropout and BatchNorm's batch statistics
   (exporting in eval mode drops Dropout and can merge BatchNorm initializers of equal value, losing their names).
   Tracing runs one forward pass, which moves BatchNorm's running statistics: it runs on a copy, and the
-  initializers get the checkpoint's values back.
-- ``generate_artifacts`` then gives an eval model whose BatchNormalization nodes keep their training outputs, which
-  ORT refuses ("This number of op outputs should be 1 when Training_mode = False"); the eval model is repaired:
-  BatchNormalization and Dropout in inference form.
+  initializers get the checkpoint's values back. Every input has a dynamic batch dimension.
+- ``generate_artifacts`` derives the eval model from that training graph, so a random op a module draws only in
+  training (stochastic depth and DropPath: ``torch.rand`` masks) stays in it. The eval model's forward is replaced
+  by an eval-mode export that keeps every parameter under its name (what torch's ``eval()`` computes; BatchNorm and
+  Dropout in inference form), followed by the same loss; a random op left there (a forward that is random in eval
+  mode) raises :class:`ArtifactsError`.
 - ORT's gradients of LayerNormalization and Dropout read their optional outputs (mean and inverse standard
   deviation; the mask), which ``torch.onnx.export`` leaves out: they are added, so transformer blocks (LayerNorm at
   opset 17, attention with dropout) train. InstanceNormalization (GroupNorm, InstanceNorm), which ORT cannot
   differentiate, is written out as the ops it stands for. Any other operator ORT has no gradient for raises
   :class:`ArtifactsError` naming it.
 - onnx >= 1.17 stamps an IR version ORT 1.19.2 rejects on the models; it is clamped to 10.
+
+Before the artifacts are returned, ORT runs one training step, one optimizer step and one eval step on the example
+input, in memory: a model ORT cannot train fails then, as an :class:`ArtifactsError`, and leaves no artifacts.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import copy
 import os
 import re
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +40,16 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .export import default_names, hidden_native_output, torch_export
 from .format import load_checkpoint, save_checkpoint
 from ._reading import is_ort_checkpoint, read_any_checkpoint, serving
 from ._translation.lightning_dict import ModuleInfo, to_ort, trainable_set, with_aliases
 
 ORT_MAX_IR_VERSION = 10  # onnxruntime-training 1.19.2
+# ops that draw random numbers (Dropout only with its training_mode input set: see _random_nodes)
+_RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli",
+                         "Multinomial", "Dropout"})
+_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint")
 
 
 class ArtifactsError(CheckpointError):
@@ -61,16 +72,21 @@ class TrainingArtifacts:
 
 def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], directory: str | os.PathLike[str], *,
                             example_input: Any = None, loss: Any = None, optimizer: Any = None,
-                            opset: int = 17) -> TrainingArtifacts:
-    """Training artifacts for ``model`` starting from ``checkpoint``.
+                            opset: int = 17, verbose: bool = False) -> TrainingArtifacts:
+    """Training artifacts for ``model`` starting from ``checkpoint``, tried with one ORT training step.
 
     Args:
         model: your LightningModule class (built with ``load_from_checkpoint``) or a module instance.
         checkpoint: an ORT or torch checkpoint; its weights (and AdamW moments, if any) are the starting state.
-        example_input: a batch of model inputs; defaults to the module's ``example_input_array``.
+        example_input: a batch of model inputs (a tuple for several, named ``input0``, ``input1``...); defaults to
+            the module's ``example_input_array``.
         loss: an ``onnxruntime.training.artifacts.LossType`` or onnxblock loss; default cross-entropy.
         optimizer: an ``artifacts.OptimType`` or onnxblock optimizer; default AdamW (ORT's betas 0.9/0.999,
             eps 1e-6, no weight decay: set the learning rate with ``Optimizer.set_learning_rate``).
+        verbose: let ``torch.onnx.export``'s own output through and give its whole message in errors.
+    Raises:
+        ArtifactsError: the module cannot be exported, ORT cannot differentiate or run it (checked with a training
+            step on the example input), or its eval-mode forward is random.
     """
     import onnx
     from onnxruntime.training import artifacts
@@ -89,10 +105,24 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
     if args is None:
         raise ArtifactsError("no example input: pass example_input or set example_input_array on the module",
                              checkpoint)
+    args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in (args if isinstance(args, tuple) else (args,)))
+    input_names = default_names("input", len(args))
     os.makedirs(directory, exist_ok=True)
     base = os.path.join(directory, "base_model.onnx")
     values = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    _export_training_graph(module, args, base, opset)
+    copy_ = copy.deepcopy(module).cpu()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first = copy_.eval()(*args)
+    except Exception as e:  # noqa: BLE001 - the user's forward may raise anything
+        raise ArtifactsError(f"the module's forward failed on the example input: {type(e).__name__}: {e}",
+                             checkpoint) from e
+    output_shape = tuple((first[0] if isinstance(first, (tuple, list)) else first).shape)
+    eval_forward = _export_eval_forward(copy_, args, directory, opset, input_names, verbose, checkpoint)
+    torch_export(copy_.train(), args, base, opset=opset, input_names=input_names, output_names=["output"],
+                 mode="train", verbose=verbose, checkpoint=checkpoint, error=ArtifactsError)
+    del copy_
     graph = onnx.load(base)
     for init in graph.graph.initializer:  # the traced forward pass moved BatchNorm statistics: put them back
         if init.name in values:
@@ -109,20 +139,25 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
                              "to the checkpoint", checkpoint)
     frozen = [n for n in values if n in names and n not in trainable]  # num_batches_tracked is no initializer
     try:
-        with _quiet_native_logs():
+        with hidden_native_output(2):  # generate_artifacts logs every graph pass at info level from C++
             artifacts.generate_artifacts(graph, requires_grad=trainable, frozen_params=frozen,
                                          loss=loss if loss is not None else artifacts.LossType.CrossEntropyLoss,
                                          optimizer=optimizer if optimizer is not None else artifacts.OptimType.AdamW,
                                          artifact_directory=directory)
     except RuntimeError as e:
         raise _gradient_error(e, checkpoint) from e
-    out = TrainingArtifacts(directory, *(os.path.join(directory, f) for f in
-                                         ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx",
-                                          "checkpoint")), trainable, frozen)
-    _repair_eval_model(out.eval_model)
-    for path in (out.training_model, out.eval_model, out.optimizer_model):
-        _clamp_ir_version(path)
-    _write_starting_state(checkpoint, state, module, out.checkpoint)
+    out = TrainingArtifacts(directory, *(os.path.join(directory, f) for f in _FILES), trainable, frozen)
+    try:
+        _replace_eval_forward(out.eval_model, eval_forward, len(graph.graph.node), checkpoint)
+        for path in (out.training_model, out.eval_model, out.optimizer_model):
+            _clamp_ir_version(path)
+        _write_starting_state(checkpoint, state, module, out.checkpoint)
+        _trial_step(out, args, output_shape, checkpoint)
+    except BaseException:
+        for path in (out.training_model, out.eval_model, out.optimizer_model, out.checkpoint):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        raise
     return out
 
 
@@ -212,45 +247,118 @@ def _gradient_error(error: RuntimeError, checkpoint: str) -> ArtifactsError:
                           checkpoint)
 
 
-def _export_training_graph(module: torch.nn.Module, args: Any, path: str, opset: int) -> None:
-    """Export a copy in training mode (Dropout and BatchNorm batch statistics stay in the graph)."""
-    copy_ = copy.deepcopy(module).cpu().train()
-    args = args if isinstance(args, tuple) else (args,)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export")
-            warnings.filterwarnings("ignore", message=".*Removing mutation from node")
-            torch.onnx.export(copy_, tuple(a.cpu() for a in args), path, input_names=["input"],
-                              output_names=["output"], dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
-                              opset_version=opset, training=torch.onnx.TrainingMode.TRAINING,
-                              do_constant_folding=False, export_params=True, dynamo=False)
-    except Exception as e:  # noqa: BLE001 - the exporter raises many types; the user needs the message
-        raise ArtifactsError(f"torch.onnx.export failed: {type(e).__name__}: {e}") from e
+def _export_eval_forward(module: torch.nn.Module, args: tuple[Any, ...], directory: str, opset: int,
+                         input_names: list[str], verbose: bool, checkpoint: str) -> Any:
+    """The eval-mode export of ``module`` (every parameter an initializer under its ``state_dict`` name)."""
+    import onnx
+
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".eval-export-") as work:
+        path = os.path.join(work, "eval_forward.onnx")
+        torch_export(module, args, path, opset=opset, input_names=input_names, output_names=["output"],
+                     mode="eval", verbose=verbose, checkpoint=checkpoint, error=ArtifactsError)
+        return onnx.load(path)
 
 
-def _repair_eval_model(path: str) -> None:
-    """BatchNormalization with one output and training_mode=0, Dropout without its training input: inference form."""
+def _replace_eval_forward(path: str, forward: Any, forward_nodes: int, checkpoint: str) -> None:
+    """The eval model ``generate_artifacts`` wrote at ``path`` is its training graph's first ``forward_nodes``
+    nodes (inference form) followed by the loss: keep its loss, inputs (user inputs, labels, then the parameters in
+    the order ORT's ``Module`` feeds them) and outputs; take the forward from the eval-mode export ``forward``."""
     import onnx
 
     model = onnx.load(path)
-    dropped: set[str] = set()
-    for node in model.graph.node:
-        if node.op_type in ("BatchNormalization", "Dropout"):
-            dropped.update(o for o in node.output[1:] if o)
-            del node.output[1:]
-            if node.op_type == "Dropout":
-                del node.input[2:]  # no training_mode input: inference, an identity
-            for attr in node.attribute:
-                if attr.name == "training_mode":
-                    attr.i = 0
-    still_used = dropped & {i for n in model.graph.node for i in n.input}
-    if still_used:
-        raise ArtifactsError(f"the eval model uses BatchNorm/Dropout training outputs {sorted(still_used)}")
-    for repeated in (model.graph.output, model.graph.value_info):
-        kept = [v for v in repeated if v.name not in dropped]
-        del repeated[:]
-        repeated.extend(kept)
+    graph = model.graph
+    loss_nodes = list(graph.node[forward_nodes:])
+    inputs = {i.name for i in graph.input}
+    used = {name for node in loss_nodes for name in node.input}
+    initializers = ([i for i in forward.graph.initializer if i.name not in inputs]
+                    + [i for i in graph.initializer if i.name in used])
+    del graph.node[:], graph.initializer[:], graph.value_info[:]
+    graph.node.extend([*forward.graph.node, *loss_nodes])
+    graph.initializer.extend(initializers)
+    domains = {o.domain for o in model.opset_import}
+    model.opset_import.extend(o for o in forward.opset_import if o.domain not in domains)
+    random = _random_nodes(graph)
+    if random:
+        raise ArtifactsError(
+            f"the module's forward is random in eval mode ({', '.join(random[:3])} in its eval-mode export), so ORT's "
+            f"eval model would give another answer each time: draw random numbers only when self.training is True "
+            f"(as nn.Dropout and stochastic depth do)", checkpoint)
     onnx.save(model, path)
+
+
+def _random_nodes(graph: Any) -> list[str]:
+    """``"op (node name)"`` of every node that draws random numbers, subgraphs included; Dropout counts when its
+    training_mode input is given."""
+    found = []
+    for node in graph.node:
+        if node.op_type in _RANDOM_OPS and (node.op_type != "Dropout" or (len(node.input) > 2 and node.input[2])):
+            found.append(f"{node.op_type} ({node.name or node.output[0]})")
+        for attr in node.attribute:
+            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+                found += _random_nodes(sub)
+    return found
+
+
+def _trial_step(out: TrainingArtifacts, args: tuple[Any, ...], output_shape: tuple[int, ...],
+                checkpoint: str) -> None:
+    """One training step, one optimizer step and one eval step of ORT on the example input, in memory (the files
+    are not changed), so that a model ORT cannot train fails here, not in the user's training loop. The loss's
+    other inputs (labels) are zeros of the shape and type the loss wants, their batch dimensions the output's."""
+    import onnx
+    import onnxruntime
+    from onnxruntime.training import api
+
+    declared = {i.name: i.type.tensor_type for i in onnx.load(out.eval_model, load_external_data=False).graph.input}
+    given = dict(zip(default_names("input", len(args)), args))
+    onnxruntime.set_default_logger_severity(3)
+    try:
+        with hidden_native_output(2):
+            state = api.CheckpointState.load_checkpoint(out.checkpoint)
+            module = api.Module(out.training_model, state, out.eval_model)
+            optimizer = api.Optimizer(out.optimizer_model, module)
+            for training in (True, False):
+                module.train(training)
+                feeds = [given[name].numpy() if name in given else _zeros_like(declared[name], output_shape)
+                         for name in module.input_names()]
+                module(*feeds)
+                if training:
+                    optimizer.step()
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types (Fail, InvalidArgument, ...)
+        raise _step_error(e, checkpoint) from e
+
+
+_FAILED_NODE = re.compile(r"while running (\S+) node\. Name:'([^']*)' Status Message: (.*)", re.S)
+
+
+def _step_error(error: Exception, checkpoint: str) -> ArtifactsError:
+    """ORT's failure of the trial step in the user's terms: the node, what it said, and what to do about it."""
+    text = str(error).strip()
+    found = _FAILED_NODE.search(text)
+    if not found:
+        return ArtifactsError(f"ONNX Runtime could not run a training step of the artifacts on the example input: "
+                              f"{text.splitlines()[0] if text else type(error).__name__}", checkpoint)
+    op, node, message = found.groups()
+    message = re.sub(r"^/\S+:\d+ .*?\) ", "", message.strip().splitlines()[0])  # the C++ source location
+    if op == "SoftmaxCrossEntropyLoss":
+        hint = ("ORT's cross-entropy takes logits (batch, classes) or (batch, classes, d1, ...): flatten the "
+                "output to (batch * positions, classes) as Lightning's demo Transformer does, or pass another loss")
+    elif "_Grad/" in node:
+        hint = ("this is a limit of onnxruntime-training 1.19.2's gradient graph for the torch operation at "
+                f"{node.split('_Grad/')[0]}: replace that operation, or set requires_grad=False on the parameters "
+                "before it so no gradient has to pass through it")
+    else:
+        hint = "ONNX Runtime cannot run this model as it was exported"
+    return ArtifactsError(f"ONNX Runtime could not run a training step of the artifacts on the example input: node "
+                          f"{node} ({op}) failed: {message}; {hint}", checkpoint)
+
+
+def _zeros_like(declared: Any, output_shape: tuple[int, ...]) -> Any:
+    import numpy as np
+    import onnx
+
+    shape = [d.dim_value if d.HasField("dim_value") else output_shape[i] if i < len(output_shape) else 1
+             for i, d in enumerate(declared.shape.dim)]
+    return np.zeros(shape, onnx.helper.tensor_dtype_to_np_dtype(declared.elem_type))
 
 
 def _clamp_ir_version(path: str) -> None:
@@ -273,19 +381,3 @@ def _write_starting_state(source: str, state: dict[str, Any], module: torch.nn.M
     params = [names if i == 0 and sum(len(g["params"]) for g in opt["param_groups"]) == len(names) else [""]
               for i, opt in enumerate(state.get("optimizer_states", []))]
     save_checkpoint(to_ort(state, ModuleInfo(trainable_set(module, None), params)), path)
-
-
-@contextlib.contextmanager
-def _quiet_native_logs() -> Any:
-    """generate_artifacts logs every graph pass at info level from C++ (fd 2); keep it out of the user's output."""
-    import sys
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "wb") as devnull:
-        os.dup2(devnull.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

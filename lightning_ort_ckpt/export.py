@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _rng
 from .errors import CheckpointError
 from ._reading import read_weights, serving
 from .format import _atomic
@@ -59,26 +60,33 @@ class ExportReport:
 def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *,
                 example_input: Any = None, tolerance: float = 1e-5, opset: int = 17,
                 input_names: list[str] | None = None, output_names: list[str] | None = None,
-                dynamic_batch: bool = True, external_data: bool | None = None) -> ExportReport:
+                dynamic_batch: bool = True, external_data: bool | None = None, reference: Any = None,
+                verbose: bool = False) -> ExportReport:
     """Export ``checkpoint`` loaded into ``model`` to the ONNX file ``output``, verified with ONNX Runtime.
 
     Args:
         model: your LightningModule class (built with ``load_from_checkpoint``, so hparams come from the file) or a
             module instance (the checkpoint's weights are loaded into it).
+        reference: the module that was trained (``OrtCheckpoint(export_best_to=...)`` passes the live one): the
+            module rebuilt from the checkpoint's hyperparameters must have its parameter shapes and, given the
+            checkpoint's weights, its outputs on the example input, so the report is about the model you trained.
         checkpoint: an ORT or torch checkpoint path, or an fsspec URL (read with the store's default configuration,
             e.g. ``AWS_*`` environment variables for S3).
         example_input: the input to export and compare with; defaults to the module's ``example_input_array``.
         tolerance: the largest absolute difference between ONNX Runtime and torch that is accepted.
         external_data: keep the weights in ``<output>.data`` (ONNX external data); by default only past 1 GiB.
+        verbose: let ``torch.onnx.export``'s own output through (its graph dump when it fails) and give its whole
+            message in the error; by default the error is its first line.
     Raises:
-        ExportError: no example input, the export failed, or ONNX Runtime differs from torch by more than
-            ``tolerance`` (nothing is left at ``output`` then).
+        ExportError: no example input, the rebuilt module is not ``reference``, the export failed, or ONNX Runtime
+            differs from torch by more than ``tolerance`` (nothing is left at ``output`` then).
     """
     checkpoint, output = os.fspath(checkpoint), os.fspath(output)
     state = read_weights(checkpoint)
     module = _load_module(model, checkpoint, state)
     monitor, score = _monitored_score(state)
     global_step = state.get("global_step")
+    hparams, hparams_name = dict(state.get("hyper_parameters") or {}), state.get("hparams_name")
     del state  # the weights are in the module: the file's pages are let go before the export needs memory
     module.eval()
     args = example_input if example_input is not None else getattr(module, "example_input_array", None)
@@ -86,15 +94,11 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
         raise ExportError("no example input: pass example_input or set example_input_array on the module",
                           checkpoint)
     args = args if isinstance(args, tuple) else (args,)
-    input_names = input_names or ([f"input{i}" for i in range(len(args))] if len(args) > 1 else ["input"])
-    try:
-        with torch.no_grad():
-            expected = module(*args)
-    except Exception as e:  # noqa: BLE001 - the user's forward may raise anything
-        raise ExportError(f"the module's forward failed on the example input: {type(e).__name__}: {e}",
-                          checkpoint) from e
-    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
-    output_names = output_names or ([f"output{i}" for i in range(len(expected))] if len(expected) > 1 else ["output"])
+    input_names = input_names or default_names("input", len(args))
+    expected = _forward(module, args, checkpoint)
+    if reference is not None:
+        _check_is_reference(module, reference, args, expected, tolerance, hparams, hparams_name, checkpoint)
+    output_names = output_names or default_names("output", len(expected))
     source = checkpoint if is_remote(checkpoint) else os.path.abspath(checkpoint)
     metadata = {"lightning_ort_ckpt.source_checkpoint": source,
                 "lightning_ort_ckpt.global_step": "" if global_step is None else str(global_step),
@@ -105,9 +109,10 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory, prefix=".export-") as work:
         staged = os.path.join(work, os.path.basename(output))
-        _torch_export(module, args, staged, opset, input_names, output_names, dynamic_batch, work)
+        torch_export(module, args, staged, opset=opset, input_names=input_names, output_names=output_names,
+                     dynamic_batch=dynamic_batch, verbose=verbose, checkpoint=checkpoint)
         _finish_model(staged, metadata, external)
-        diff = _max_abs_diff(staged, args, expected, input_names)
+        diff = _max_abs_diff(staged, args, expected, input_names, checkpoint)
         if not diff <= tolerance:
             raise ExportError(f"ONNX Runtime's output differs from torch's by up to {diff:.3g}, more than the "
                               f"tolerance {tolerance:g}; nothing was written to {output}", checkpoint)
@@ -117,22 +122,157 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     return ExportReport(output, checkpoint, global_step, monitor, score, diff, tolerance, external)
 
 
-def check_export_config(module: Any, tolerance: Any) -> None:
+def check_export_config(module: Any, tolerance: Any, *, trial_export: bool = True) -> None:
     """What ``OrtCheckpoint(export_best_to=...)`` checks in ``setup``, so a misconfiguration stops the run before it
-    trains, not after: the module class can be rebuilt from a checkpoint (every required ``__init__`` argument is in
-    its saved hparams), it has an ``example_input_array``, and ``tolerance`` is a number >= 0."""
+    trains, not after: ``tolerance`` is a number >= 0; the module class can be rebuilt from a checkpoint (every
+    required ``__init__`` argument is in its saved hparams, and when some argument is not, the module built from the
+    hparams, on the meta device, has this module's parameter shapes); it has an ``example_input_array``; and, with
+    ``trial_export``, the module as it is exports and runs in ONNX Runtime on it (skipped for a module that builds its
+    layers in ``configure_model``, which Lightning calls after ``setup``). Random states are left as they were."""
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
         raise ExportError(f"export_tolerance must be a number >= 0, got {tolerance!r}")
     cls = type(module)
-    required = [p.name for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
-                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    missing = [name for name in required if name not in getattr(module, "hparams", {})]
+    hparams = dict(getattr(module, "hparams", {}))
+    hparams_name = getattr(module, "_hparams_name", None)
+    unsaved = _unsaved_init_args(cls, hparams, hparams_name)
+    missing = [p.name for p in _init_params(cls) if p.name in unsaved and p.default is p.empty]
     if missing:
         raise ExportError(f"export_best_to rebuilds {cls.__name__} from the best checkpoint, but its __init__ "
                           f"arguments {', '.join(missing)} are not saved: call self.save_hyperparameters() in "
                           f"__init__")
     if getattr(module, "example_input_array", None) is None:
         raise ExportError(f"export_best_to needs an example input: set example_input_array on {cls.__name__}")
+    states = _rng.capture()
+    try:
+        if unsaved:
+            _check_rebuilds(module, hparams, hparams_name, unsaved)
+        if trial_export and not _builds_in_configure_model(cls):
+            _trial_export(module)
+    finally:
+        _rng.restore(states)
+
+
+def _init_params(cls: type) -> list[inspect.Parameter]:
+    return [p for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _unsaved_init_args(cls: type, hparams: dict[str, Any], hparams_name: Any) -> list[str]:
+    """``__init__`` arguments ``load_from_checkpoint`` would not get from the hyperparameters (it passes the whole
+    hparams as the argument ``save_hyperparameters(obj)`` was given, when there was one)."""
+    return [p.name for p in _init_params(cls) if p.name not in hparams and p.name != hparams_name]
+
+
+def _check_rebuilds(module: Any, hparams: dict[str, Any], hparams_name: Any, unsaved: list[str]) -> None:
+    """The module ``load_from_checkpoint`` will build from ``hparams`` (on the meta device: no memory, no weights)
+    has ``module``'s parameter and buffer shapes. An ``__init__`` that cannot run on the meta device is left to the
+    comparison at export time."""
+    cls = type(module)
+    params = _init_params(cls)
+    if hparams_name in {p.name for p in params}:
+        kwargs = {hparams_name: hparams}
+    elif any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values()):
+        kwargs = hparams
+    else:
+        kwargs = {k: v for k, v in hparams.items() if k in {p.name for p in params}}
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rebuilt = cls(**kwargs)
+    except Exception:  # noqa: BLE001 - the user's __init__ may raise anything off its usual device
+        return
+    difference = _shape_difference(rebuilt.state_dict(), module.state_dict())
+    if difference:
+        raise ExportError(f"export_best_to rebuilds {cls.__name__} from the best checkpoint's hyperparameters, and "
+                          f"built so it is not this module ({difference}): its __init__ arguments "
+                          f"{', '.join(unsaved)} are not saved; call self.save_hyperparameters() in __init__")
+
+
+def _shape_difference(rebuilt: dict[str, Any], trained: dict[str, Any]) -> str:
+    """The first parameter or buffer that the two modules do not have alike, in words; "" when they agree."""
+    for name, tensor in trained.items():
+        if name not in rebuilt:
+            return f"it has no {name}"
+        if tuple(rebuilt[name].shape) != tuple(tensor.shape):
+            return f"{name} is {list(rebuilt[name].shape)} there, {list(tensor.shape)} here"
+    extra = [name for name in rebuilt if name not in trained]
+    return f"it has {extra[0]}, which the trained module has not" if extra else ""
+
+
+def _builds_in_configure_model(cls: type) -> bool:
+    return any("configure_model" in vars(base) or "configure_sharded_model" in vars(base)
+               for base in cls.__mro__[:-1] if base.__module__.split(".")[0] not in ("lightning", "pytorch_lightning"))
+
+
+def _trial_export(module: Any) -> None:
+    """Export the module as it is and run the model in ONNX Runtime on the example input (at ``setup``: an export
+    that would fail, fails before training)."""
+    args = module.example_input_array
+    args = args if isinstance(args, tuple) else (args,)
+    input_names = default_names("input", len(args))
+    with _eval_mode(module):
+        expected = _forward(module, args, None)
+        with tempfile.TemporaryDirectory(prefix="ort-ckpt-trial-export-") as work:
+            path = os.path.join(work, "model.onnx")
+            torch_export(module, args, path, opset=17, input_names=input_names,
+                         output_names=default_names("output", len(expected)))
+            _max_abs_diff(path, args, expected, input_names, None)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module) -> Any:
+    """``module`` in eval mode for the block; every submodule's own mode afterwards."""
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def default_names(prefix: str, count: int) -> list[str]:
+    """``input`` for one, ``input0``, ``input1``... for several: the ONNX names of the inputs (or outputs)."""
+    return [f"{prefix}{i}" for i in range(count)] if count > 1 else [prefix]
+
+
+def _forward(module: torch.nn.Module, args: tuple[Any, ...], checkpoint: str | None) -> tuple[Any, ...]:
+    try:
+        with torch.no_grad():
+            out = module(*args)
+    except Exception as e:  # noqa: BLE001 - the user's forward may raise anything
+        raise ExportError(f"the module's forward failed on the example input: {type(e).__name__}: {e}",
+                          checkpoint) from e
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _check_is_reference(module: torch.nn.Module, reference: torch.nn.Module, args: tuple[Any, ...],
+                        expected: tuple[Any, ...], tolerance: float, saved: dict[str, Any], hparams_name: Any,
+                        checkpoint: str) -> None:
+    """The module rebuilt from the checkpoint is the trained one: same parameter shapes, and the trained module
+    given the checkpoint's weights (``torch.func.functional_call``: it is neither copied nor changed) computes the
+    same outputs on the example input."""
+    cls = type(module)
+    weights = module.state_dict()
+    difference = _shape_difference(weights, reference.state_dict())
+    diff = 0.0
+    if not difference:
+        device = next(iter(reference.state_dict().values()), torch.empty(0)).device
+        with _eval_mode(reference), torch.no_grad():
+            got = torch.func.functional_call(
+                reference, {k: v.to(device) for k, v in weights.items()},
+                tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+        got = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+        diff = max((float((g.detach().cpu().double() - e.detach().cpu().double()).abs().max()) if e.numel() else 0.0
+                    for g, e in zip(got, expected)), default=0.0) if len(got) == len(expected) else float("inf")
+    if difference or not diff <= tolerance:
+        unsaved = _unsaved_init_args(cls, saved, hparams_name)
+        how = (f"is not the module that was trained ({difference})" if difference else
+               f"computes other outputs than the module that was trained, given the same weights (max abs "
+               f"difference {diff:.3g} on the example input)")
+        why = (f": its __init__ arguments {', '.join(unsaved)} are not in the saved hyperparameters; call "
+               f"self.save_hyperparameters() in __init__" if unsaved else "")
+        raise ExportError(f"{cls.__name__} rebuilt from the checkpoint's hyperparameters {how}{why}", checkpoint)
 
 
 def load_module_class(spec: str) -> type:
@@ -164,10 +304,29 @@ def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn
     if isinstance(model, type):
         if not hasattr(model, "load_from_checkpoint"):
             raise ExportError(f"{model.__name__} is not a LightningModule class; pass a module instance instead")
-        with serving(checkpoint, state):  # what was read: the file is not read again
-            return model.load_from_checkpoint(checkpoint, map_location="cpu")
-    model.load_state_dict(with_aliases(state["state_dict"], model))
+        try:
+            with serving(checkpoint, state):  # what was read: the file is not read again
+                return model.load_from_checkpoint(checkpoint, map_location="cpu")
+        except RuntimeError as e:
+            if "Error(s) in loading state_dict" not in str(e):
+                raise
+            unsaved = _unsaved_init_args(model, dict(state.get("hyper_parameters") or {}), state.get("hparams_name"))
+            why = (f": its __init__ arguments {', '.join(unsaved)} are not in the saved hyperparameters, so they "
+                   f"took their defaults; call self.save_hyperparameters() in __init__" if unsaved else "")
+            raise ExportError(f"the checkpoint's weights do not fit {model.__name__} built from its saved "
+                              f"hyperparameters ({_state_dict_problem(e)}){why}", checkpoint) from None
+    try:
+        model.load_state_dict(with_aliases(state["state_dict"], model))
+    except RuntimeError as e:
+        raise ExportError(f"the checkpoint's weights do not fit the {type(model).__name__} given "
+                          f"({_state_dict_problem(e)})", checkpoint) from None
     return model
+
+
+def _state_dict_problem(error: RuntimeError) -> str:
+    """The first line of ``load_state_dict``'s complaint (a size mismatch, missing or unexpected keys)."""
+    lines = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
+    return (lines[0] if lines else str(error)).rstrip(".")
 
 
 def _monitored_score(state: dict[str, Any]) -> tuple[str | None, float | None]:
@@ -179,17 +338,52 @@ def _monitored_score(state: dict[str, Any]) -> tuple[str | None, float | None]:
     return None, None
 
 
-def _torch_export(module: torch.nn.Module, args: tuple[Any, ...], path: str, opset: int, input_names: list[str],
-                  output_names: list[str], dynamic_batch: bool, work: str) -> None:
+_EXPORT_MODES = {  # torch.onnx.export's mode, constant folding, initializers kept as inputs
+    "deploy": (torch.onnx.TrainingMode.EVAL, True, False),
+    "train": (torch.onnx.TrainingMode.TRAINING, False, False),
+    # eval mode with every parameter under its own name: no Conv-BatchNorm folding, no merging of equal initializers
+    "eval": (torch.onnx.TrainingMode.EVAL, False, True),
+}
+
+
+def torch_export(module: torch.nn.Module, args: tuple[Any, ...], path: str, *, opset: int, input_names: list[str],
+                 output_names: list[str], dynamic_batch: bool = True, mode: str = "deploy", verbose: bool = False,
+                 checkpoint: str | None = None, error: type[CheckpointError] = ExportError) -> None:
+    """``torch.onnx.export`` (TorchScript) to ``path``, run in its folder (where the exporter may write per-tensor
+    files). Every input and output gets a dynamic batch dimension. The exporter prints its IR graph to stdout when
+    it fails: shown with ``verbose`` only, as is its whole message; otherwise ``error`` gives the first line."""
+    training, fold, keep_inputs = _EXPORT_MODES[mode]
     dynamic_axes = {n: {0: "batch"} for n in (*input_names, *output_names)} if dynamic_batch else None
     try:
-        with warnings.catch_warnings(), contextlib.chdir(work):
+        with warnings.catch_warnings(), contextlib.chdir(os.path.dirname(path) or "."), \
+                (contextlib.nullcontext() if verbose else hidden_native_output(1)):
             warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export")
-            torch.onnx.export(module, args, path, input_names=input_names, output_names=output_names,
-                              dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False, export_params=True,
-                              do_constant_folding=True, training=torch.onnx.TrainingMode.EVAL)
+            warnings.filterwarnings("ignore", message=".*Removing mutation from node")
+            torch.onnx.export(module, args, os.path.basename(path), input_names=input_names,
+                              output_names=output_names, dynamic_axes=dynamic_axes, opset_version=opset, dynamo=False,
+                              export_params=True, do_constant_folding=fold, keep_initializers_as_inputs=keep_inputs,
+                              training=training)
     except Exception as e:  # noqa: BLE001 - the exporter raises many types; the user needs the message
-        raise ExportError(f"torch.onnx.export failed: {type(e).__name__}: {e}") from e
+        text = str(e).strip()
+        detail = text if verbose else (text.splitlines() or [""])[0]
+        more = "" if verbose or detail == text else " (verbose=True shows the exporter's whole report)"
+        raise error(f"torch.onnx.export failed: {type(e).__name__}: {detail}{more}", checkpoint) from e
+
+
+@contextlib.contextmanager
+def hidden_native_output(fd: int) -> Any:
+    """File descriptor ``fd`` (1: stdout, 2: stderr) sent to the null device for the block: what C++ code (torch's
+    exporter, ONNX Runtime's graph passes) prints there stays out of the user's output."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with open(os.devnull, "wb") as devnull:
+        os.dup2(devnull.fileno(), fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def _finish_model(path: str, metadata: dict[str, str], external: bool) -> None:
@@ -209,15 +403,20 @@ def _finish_model(path: str, metadata: dict[str, str], external: bool) -> None:
                     location=os.path.basename(_atomic.data_path(path)), size_threshold=0)
 
 
-def _max_abs_diff(path: str, args: tuple[Any, ...], expected: tuple[Any, ...], input_names: list[str]) -> float:
+def _max_abs_diff(path: str, args: tuple[Any, ...], expected: tuple[Any, ...], input_names: list[str],
+                  checkpoint: str | None) -> float:
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
-    session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     feeds = {name: a.detach().cpu().numpy() for name, a in zip(input_names, args)}
-    got = session.run(None, feeds)
+    try:
+        session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        got = session.run(None, feeds)
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
+        raise ExportError(f"ONNX Runtime cannot run the exported model: {str(e).strip().splitlines()[0]}",
+                          checkpoint) from e
     if len(got) != len(expected):
-        raise ExportError(f"the exported model has {len(got)} outputs, torch returns {len(expected)}")
+        raise ExportError(f"the exported model has {len(got)} outputs, torch returns {len(expected)}", checkpoint)
     return max((float(np.max(np.abs(g - e.detach().cpu().numpy()))) if g.size else 0.0
                 for g, e in zip(got, expected)), default=0.0)

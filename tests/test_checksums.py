@@ -19,7 +19,7 @@ import torch
 
 from lightning_ort_ckpt import CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.errors import CheckpointWarning
-from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format._checksums import PROPERTY
 from lightning_ort_ckpt._translation import MANIFEST
 from ort_reference import batch, make_artifacts, ort_api, ort_parameters, ort_properties

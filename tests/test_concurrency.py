@@ -28,7 +28,7 @@ import torch
 from test_crash_safety import snapshot
 
 from lightning_ort_ckpt import CheckpointError
-from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV
 

@@ -24,7 +24,7 @@ import torch
 from ort_reference import assert_same_checkpoint
 
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError
-from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format import _reader as reader_mod
 
 CASE_SECONDS = 5  # no single case may take this long: a hang fails the test instead of stalling it

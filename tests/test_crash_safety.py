@@ -25,7 +25,7 @@ import torch
 from ort_reference import assert_same_checkpoint
 
 from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
-from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
 

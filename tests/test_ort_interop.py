@@ -21,8 +21,7 @@ import torch
 
 pytest.importorskip("onnxruntime.training")
 
-from lightning_ort_ckpt.format import (CheckpointContents, DataType, OptimizerGroup, load_checkpoint, open_checkpoint,
-                                       save_checkpoint)
+from lightning_ort_ckpt.format import (CheckpointContents, DataType, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format._checksums import PROPERTY as CHECKSUMS
 from ort_reference import (Artifacts, assert_same_tensor, batch, file_bytes, make_artifacts, ort_api,
                            ort_parameters, ort_properties, raw_bytes)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic, _diskio as diskio
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
 from test_crash_safety import *  # noqa: F401,F403  (collected again here, on the portable path)

@@ -6,6 +6,8 @@ Lightning Trainer and onnxruntime-training 1.19.2.
     ORT steps -> ORT saves (with and without optimizer state, and once more with Lightning's metadata stripped, as a
     file ORT alone wrote) -> ``fit(ckpt_path=...)`` restores ORT's weights bitwise, under every ``state_dict`` name;
     where ORT cannot train the model, ``make_training_artifacts`` raises ``ArtifactsError`` naming the operator;
+(b') ORT's eval model computes what torch's ``eval()`` computes, the same each time: no random op of the training
+    graph (DropPath's mask) is left in it;
 (c) ``export_onnx`` of the ORT-trained file with the module class: the model ``load_from_checkpoint`` builds has
     ORT's weights and the saved hyperparameters, and ONNX Runtime agrees with it.
 
@@ -243,6 +245,30 @@ def test_what_ort_cannot_train_is_a_clear_error(entry: Entry, epoch_one: dict[st
         make_training_artifacts(entry.cls, epoch_one[entry.name], tmp_path / "art")
     assert str(info.value).startswith(epoch_one[entry.name])
     assert "requires_grad=False" in str(info.value) or entry.float32_for_ort
+
+
+@pytest.mark.parametrize("entry", [e for e in ZOO if not e.ort_error], ids=lambda e: e.name)
+def test_orts_eval_model_computes_torchs_eval(entry: Entry, epoch_one: dict[str, str], tmp_path: Any) -> None:
+    import onnx
+
+    source = epoch_one[entry.name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        model = model_for_ort(entry, source)
+        art = make_training_artifacts(model, source, tmp_path / "art")
+        torch_model = (model if isinstance(model, torch.nn.Module) else entry.cls.load_from_checkpoint(source)).eval()
+    x, y = ort_batches(entry)[0]
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(torch_model(torch.from_numpy(x)), torch.from_numpy(y)).item()
+    module = api.Module(art.training_model, api.CheckpointState.load_checkpoint(art.checkpoint), art.eval_model)
+    module.eval()
+    losses = [float(module(x, y)) for _ in range(3)]
+    assert losses == [losses[0]] * 3, losses
+    assert abs(losses[0] - expected) <= entry.tolerance, (losses[0], expected)
+    random = {"RandomUniformLike", "RandomUniform", "RandomNormalLike", "RandomNormal", "Bernoulli"}
+    assert not [n.op_type for n in onnx.load(art.eval_model).graph.node if n.op_type in random]
+    if entry.cls.__name__ == "StochasticDepthCNN":  # training keeps DropPath's mask: only the eval model lost it
+        assert "RandomUniformLike" in {n.op_type for n in onnx.load(art.training_model).graph.node}
 
 
 # -- (c) export parity -----------------------------------------------------------------------------------------------

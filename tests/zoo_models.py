@@ -231,6 +231,59 @@ class SoftplusHead(ZooModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6)
 
 
+class DropPath(nn.Module):
+    """Stochastic depth as timm's ``DropPath`` and torchvision's ``StochasticDepth`` write it (neither is installed
+    here: their wheels need a torchvision that cannot load next to this CPU torch): in training, each sample's
+    residual branch is dropped with probability ``p`` by a ``torch.rand`` mask and kept ones are scaled by
+    ``1 / (1 - p)``; in eval, the identity."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        keep = 1 - self.p
+        mask = torch.floor(keep + torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device))
+        return x * mask / keep
+
+
+class SqueezeExcite(nn.Module):
+    """Squeeze-excitation (EfficientNet, MobileNetV3): channels rescaled by a gate computed from their means."""
+
+    def __init__(self, channels: int, reduced: int) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(channels, reduced, 1)
+        self.expand = nn.Conv2d(reduced, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.expand(torch.relu(self.reduce(x.mean((2, 3), keepdim=True)))))
+
+
+class StochasticDepthCNN(ZooModule):
+    """An EfficientNet-like residual block: conv stem, BatchNorm, a branch of conv, BatchNorm, SiLU and
+    squeeze-excitation behind DropPath, head; AdamW. ORT's eval model must not keep the DropPath mask."""
+
+    def __init__(self, channels: int = 4, drop_path: float = 0.5) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.stem = nn.Conv2d(1, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+        self.branch = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.SiLU(),
+                                    SqueezeExcite(channels, 2))
+        self.drop = DropPath(drop_path)
+        self.head = nn.Linear(channels, 3)
+        self.example_input_array = torch.randn(2, 1, 6, 6, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.stem(x)))
+        return self.head((h + self.drop(self.branch(h))).mean((2, 3)))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6)
+
+
 def features(*shape: int) -> Callable[[torch.Generator], torch.Tensor]:
     return lambda g: torch.randn(SAMPLES, *shape, generator=g)
 
@@ -292,5 +345,7 @@ ZOO = [
     Entry("onecycle_accumulate_clip", OneCycleMlp, features(6), 3, trained_by_ort=("net.0.weight",),
           trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
     Entry("groupnorm_cnn", GroupNormCNN, features(1, 6, 6), 3, trained_by_ort=("norm.weight", "conv.weight")),
+    Entry("stochastic_depth_se_cnn", StochasticDepthCNN, features(1, 6, 6), 3, kwargs={"drop_path": 0.25},
+          trained_by_ort=("branch.3.reduce.weight", "bn.running_mean")),
     Entry("softplus_head", SoftplusHead, features(6), 3, ort_error="cannot differentiate the ONNX operator Softplus"),
 ]

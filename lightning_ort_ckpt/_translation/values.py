@@ -22,6 +22,9 @@ JSON values stand for themselves, with these exceptions, each a one-key object w
 ``{"__enum__": [q, v]}``  an ``enum.Enum`` member (``IntEnum`` and ``StrEnum`` too): ``q`` is its class's
                         qualified name ``"module:Qual.Name"``, ``v`` the member's encoded value
 ``{"__dataclass__": [q, {...}]}``  a dataclass instance: its class's qualified name and its ``init`` fields, encoded
+``{"__omegaconf__": v}``  an OmegaConf ``DictConfig`` or ``ListConfig`` (Hydra configs): its container, interpolations
+                        unresolved and ``???`` kept; it loads as a ``DictConfig``/``ListConfig`` again where
+                        omegaconf is installed (a structured config comes back untyped), else as a placeholder
 ``{"__unencodable__": s}``  a value with no faithful plain form (an ``nn.Module`` hparam, a local class...): saved
                         as a readable description with a warning naming its key; it loads as an
                         :class:`Unsaved` placeholder that raises ``CheckpointError`` when used
@@ -58,7 +61,7 @@ TensorSource = Callable[[Any], torch.Tensor]
 _TAGS = frozenset({"__tensor__", "__ndarray__", "__float__", "__tuple__", "__set__", "__dict__", "__odict__",
                    "__size__", "__numpy__",
                    "__bytes__", "__dtype__", "__device__", "__path__", "__namespace__", "__enum__", "__dataclass__",
-                   "__unencodable__"})
+                   "__omegaconf__", "__unencodable__"})
 
 
 class Unsaved:
@@ -130,6 +133,9 @@ def encode(value: Any, sink: TensorSink, path: tuple[str, ...] = ()) -> Any:
         return {"__unencodable__": repr(value)}
     if value is None or isinstance(value, (bool, str)):
         return value
+    omegaconf = sys.modules.get("omegaconf")  # a DictConfig exists only where omegaconf is imported
+    if omegaconf is not None and isinstance(value, (omegaconf.DictConfig, omegaconf.ListConfig)):
+        return {"__omegaconf__": encode(omegaconf.OmegaConf.to_container(value, resolve=False), sink, path)}
     if isinstance(value, int) and not isinstance(value, bool):
         return int(value)
     if isinstance(value, float):
@@ -233,6 +239,12 @@ def _decode_tagged(tag: str, body: Any, source: TensorSource) -> Any:
         return pathlib.Path(body)
     if tag == "__namespace__":
         return argparse.Namespace(**decode(body, source))
+    if tag == "__omegaconf__":
+        try:
+            from omegaconf import OmegaConf
+        except ImportError:
+            return Unsaved(f"<an OmegaConf config; install omegaconf to load it: {repr(body)[:200]}>")
+        return OmegaConf.create(decode(body, source))
     if tag in ("__enum__", "__dataclass__"):
         name, value = body
         cls = _resolve(name, tag)

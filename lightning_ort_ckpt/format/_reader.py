@@ -35,8 +35,7 @@ from ._diskio import check_regular, open_regular, read_range
 from ._dtypes import DataType
 from ._flatbuffers import MAX_FLATBUFFER_SIZE
 from ._platform import portable_io
-from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
-                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
+from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot, OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
 Storage = Literal["inline", "external", "strings", "none"]
 Kind = Literal["trainable", "frozen", "momentum"]

@@ -37,8 +37,7 @@ from ._flatbuffers import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from ._platform import portable_io
 from ._store import StorageOptions, Store, store_for
 from ._shared_data import NotShared, SavedData, SharedFrozen, identity
-from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot,
-                      OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
+from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot, OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
 ExternalData = Literal["auto", "never", "params", "all"]
 
