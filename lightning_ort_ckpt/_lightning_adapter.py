@@ -98,6 +98,14 @@ def trainer_of(module: Any) -> Any:
     return module._trainer
 
 
+def resumed_inside_epoch(trainer: Any, saved_epoch: Any) -> bool:
+    """Whether this fit resumed inside an epoch of the checkpoint (mid-epoch, or at a validation inside it), rather
+    than at an epoch boundary: the fit loop's own restart stage (Lightning >= 2.6), else whether the epoch is the
+    saved one."""
+    inside = getattr(trainer.fit_loop, "restarted_mid_epoch", None)
+    return bool(inside) if inside is not None else trainer.current_epoch == saved_epoch
+
+
 def restart_train_iterator(trainer: Any) -> None:
     """Draw the training data iterator again, as the fit loop does at the start of an epoch (``iter`` of its data
     fetcher): a resume at an epoch boundary then shuffles the next epoch from the random states it restored, as the

@@ -189,7 +189,7 @@ class OrtCheckpointIOMixin:
             _rng.restore(states)
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
             raise CorruptCheckpointError(f"its saved random states are damaged ({e})", path) from None
-        if trainer.current_epoch != epoch:
+        if not _lightning_adapter.resumed_inside_epoch(trainer, epoch):
             _lightning_adapter.restart_train_iterator(trainer)
 
     # -- the directory ------------------------------------------------------------------------------------------

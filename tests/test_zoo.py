@@ -32,7 +32,7 @@ import torch
 pytest.importorskip("onnxruntime.training")
 pl = pytest.importorskip("pytorch_lightning")
 
-from lightning_ort_ckpt import OrtCheckpointIO
+from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO
 from lightning_ort_ckpt.artifacts import ArtifactsError, TrainingArtifacts, make_training_artifacts
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.export import export_onnx
@@ -70,7 +70,7 @@ def loader(entry: Entry) -> torch.utils.data.DataLoader:
 def trainer(entry: Entry, callbacks: list[Any] = (), **limits: Any) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, plugins=[OrtCheckpointIO(**entry.plugin)],
-                      callbacks=list(callbacks), deterministic=True, **entry.trainer, **limits)
+                      callbacks=[*callbacks, BindCheckpointIO()], deterministic=True, **entry.trainer, **limits)
 
 
 def fit(entry: Entry, model: Any, ckpt_path: Any = None, callbacks: list[Any] = (), **limits: Any) -> tuple[
