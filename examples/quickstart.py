@@ -37,7 +37,7 @@ def quiet() -> None:
     for name in ("pytorch_lightning", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     for message in (".*isinstance\\(treespec, LeafSpec\\)", ".*does not have many workers",
-                    ".*CheckpointContents directory .* exists and is not empty"):
+                    ".*Checkpoint directory .* exists and is not empty"):
         warnings.filterwarnings("ignore", message=message)
 
 
