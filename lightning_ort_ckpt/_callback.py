@@ -264,7 +264,14 @@ class OrtCheckpointMixin:
             self._restored_monitor = False
             self._waiting_step = None  # a save waiting for this value is ranked by the hook that saves it
 
+    def _builtin_monitor(self, trainer: Any) -> bool:
+        """``monitor="step"`` or ``"epoch"`` without a logged metric of that name: Lightning's own candidates,
+        computed at every save (its documented "keep the latest k" recipe)."""
+        return self.monitor in ("step", "epoch") and self.monitor not in trainer.callback_metrics
+
     def _fresh(self, trainer: Any) -> bool:
+        if self._builtin_monitor(trainer):
+            return True
         return self._monitor_step == trainer.global_step and not self._restored_monitor
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
@@ -296,8 +303,8 @@ class OrtCheckpointMixin:
     def _after_fresh_value(self, trainer: Any) -> None:
         """Monitoring is a trigger of its own: a fresh value is ranked now (saved if it enters the top k), and a
         scheduled save that waited for it happens with it."""
-        if self.monitor is None or not self._fresh(trainer):
-            return
+        if self.monitor is None or self._builtin_monitor(trainer) or not self._fresh(trainer):
+            return  # (a step or epoch count is no value that improves: the scheduled triggers save it)
         self._waiting_step = None
         if self._should_skip_saving_checkpoint(trainer):  # type: ignore[attr-defined]  # saved at this step already
             return

@@ -185,7 +185,7 @@ class OrtLoading:
             assert self._readers is not None
             is_ort, load_ort = self._readers
             if isinstance(path_or_url, (str, os.PathLike)):
-                if not os.fspath(path_or_url).startswith(("http://", "https://")) and is_ort(path_or_url):
+                if is_ort(path_or_url):  # a local path, or any URL of a store (http(s) included)
                     return load_ort(path_or_url, map_location)
             elif _is_ort_stream(path_or_url):
                 with tempfile.TemporaryDirectory(prefix="ort-ckpt-") as tmp:
