@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as e:  # noqa: BLE001 - a command line prints one error line, never a traceback
         print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
-        return 2
+        return 1
 
 
 def _tolerance(text: str) -> float:

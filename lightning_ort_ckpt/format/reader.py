@@ -326,7 +326,7 @@ class CheckpointReader:
         p = _Parser(self._mm, self._fail)
         if bytes(self._mm[4:8]) != FILE_IDENTIFIER:
             kind = _foreign_kind(bytes(self._mm[:16]))
-            raise self._fail(f"not an ORT checkpoint: {kind}" if kind else
+            raise self._fail(f"not an ORT checkpoint (no 'ODTC' file identifier): {kind}" if kind else
                              f"not an ORT checkpoint: file identifier is {bytes(self._mm[4:8])!r}, expected 'ODTC'")
         root = p.table(p.u32(0, "root offset"), "Checkpoint")
         self.version = p.scalar(root, CheckpointSlot.VERSION, "i", 0)
@@ -673,7 +673,7 @@ def _foreign_kind(head: bytes) -> str | None:
     return None
 
 
-_VERIFY_CHUNK = 8 << 20  # what verification reads at a time, into one buffer per thread
+_VERIFY_CHUNK = 1 << 20  # what verification reads at a time, into one buffer per thread
 _PARALLEL_VERIFY_BYTES = 256 << 20  # below this, one thread verifies: starting another costs more than it saves
 _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
