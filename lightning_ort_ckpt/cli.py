@@ -117,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "verify":
         print(f"OK {_shown(args.file)}: {_summary(report)}")
         verified = reader.checksums is not None and reader.checksums.usable
-        print(f"  checksums: {report['checksums']}" + (", every tensor matches" if verified else ""))
+        print(f"  checksums: {_shown(report['checksums'])}" + (", every tensor matches" if verified else ""))
         if report["lightning_check"]:
             print(f"  Lightning metadata: {report['lightning_check']}")
         for warning in report["ort_warnings"]:
@@ -203,12 +203,13 @@ def _export(args: argparse.Namespace) -> int:
     try:
         module_class = load_module_class(args.module)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_first_line(e)}", file=sys.stderr)
         return 1
     except BaseException as e:  # noqa: BLE001 - the user's module ran and failed (SyntaxError, SystemExit, ...)
         if isinstance(e, KeyboardInterrupt):
             raise
-        print(f"error: cannot import --module {args.module}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: cannot import --module {_shown(args.module)}: {type(e).__name__}: {_first_line(e)}",
+              file=sys.stderr)
         return 1
     try:
         report = export_onnx(module_class, args.file, args.output, tolerance=args.tolerance,

@@ -158,7 +158,7 @@ class CheckpointReader:
 
     def verify(self) -> None:
         """Check every tensor against its recorded checksum (see :meth:`verify_tensor`), each read a chunk at a time
-        into one buffer, so memory holds a chunk per thread whatever the file's size (nothing is mapped). Large
+        into one buffer, so memory holds a chunk per thread whatever the file's size (no tensor is mapped). Large
         checkpoints are hashed on two threads (the reads and the hash release the GIL), each taking the next tensor
         in turn."""
         infos = self.tensors()
