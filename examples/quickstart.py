@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,9 +108,22 @@ def main() -> None:
         print(f"   {os.path.relpath(path, OUT)}  {os.path.getsize(path):,} bytes{link}")
     print(f"== ort-ckpt inspect {os.path.relpath(second.best_model_path, OUT)}")
     subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", "inspect", second.best_model_path], check=True)
-    print(f"\nExport again from the command line:\n  ort-ckpt export {second.best_model_path} "
+    print(f"\nExport again from the command line:\n  {command_line_tool()} export {second.best_model_path} "
           f"--module {os.path.join(os.path.dirname(os.path.abspath(__file__)), 'demo_model.py')}:DemoModel "
           f"--output {os.path.join(OUT, 'model-cli.onnx')}")
+
+
+def command_line_tool() -> str:
+    """``ort-ckpt`` as a plain shell finds it: the script beside this Python (``.venv/bin/ort-ckpt`` after
+    ``bash scripts/demo.sh``), relative to the current directory when it lies below it; the bare name only if the
+    shell's PATH already leads to that script (an activated environment)."""
+    script = os.path.join(os.path.dirname(sys.executable), "ort-ckpt")
+    if not os.path.exists(script):  # the package is not installed in this environment, only importable
+        return f"{sys.executable} -m lightning_ort_ckpt"
+    if shutil.which("ort-ckpt") == script:
+        return "ort-ckpt"
+    relative = os.path.relpath(script)
+    return relative if not relative.startswith(os.pardir) else script
 
 
 if __name__ == "__main__":

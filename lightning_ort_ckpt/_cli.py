@@ -1,11 +1,13 @@
 """The ``ort-ckpt`` command: look inside and check ORT checkpoints. Runs without torch.
 
 ``ort-ckpt inspect FILE [--json]`` lists tensors, optimizer groups, properties and totals (``--json``: strict JSON;
-non-finite floats are the strings "nan", "inf", "-inf"); ``ort-ckpt verify FILE`` runs every check of the reader,
-checks every tensor against its recorded checksum and that the Lightning metadata decodes (fully when torch is
-installed), and exits 0 when the file is valid, 1 when it is not, naming what is wrong; ``ort-ckpt export FILE
---module pkg.mod:Class --output model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs
-torch). Failures print one ``error: ...`` line, never a traceback. ``FILE`` may be an fsspec URL (``s3://...``),
+non-finite floats are the strings "nan", "inf", "-inf"; the text shows characters a terminal would act on, in names
+and values taken from the file, as escapes like ``\x1b``); ``ort-ckpt verify FILE`` runs every check of the reader,
+checks every tensor against its recorded checksum, reading a chunk at a time (memory holds a chunk, not the file),
+and that the Lightning metadata decodes (fully when torch is installed), and exits 0 when the file is valid, 1 when
+it is not, naming what is wrong; ``ort-ckpt export FILE --module pkg.mod:Class --output model.onnx`` writes a
+deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra). Failures print one ``error:
+...`` line, never a traceback, and exit 1. ``FILE`` may be an fsspec URL (``s3://...``),
 read with the store's default configuration (for S3: the ``AWS_*`` environment variables, ``AWS_ENDPOINT_URL``
 included, or ``FSSPEC_S3_*``).
 """
@@ -18,6 +20,7 @@ import json
 import math
 import os
 import sys
+import unicodedata
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +29,7 @@ import numpy as np
 
 from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
+from .format import CheckpointContents, OptimizerGroup
 from .format._store import store_for
 from .format._reader import CheckpointReader, TensorInfo
 from ._translation import FORMAT, MANIFEST
@@ -47,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_export.add_argument("--module", required=True,
                           help="your LightningModule class: 'package.module:ClassName' or 'file.py:ClassName'")
     p_export.add_argument("--output", "-o", required=True, help="the .onnx file to write")
-    p_export.add_argument("--tolerance", type=float, default=1e-5,
+    p_export.add_argument("--tolerance", type=_tolerance, default=1e-5,
                           help="largest accepted |ONNX Runtime - torch| on the example input (default 1e-5)")
     p_export.add_argument("--external-data", action="store_true", help="keep the weights in <output>.data")
     args = parser.parse_args(argv)
@@ -60,8 +64,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - a command line prints one error line, never a traceback
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _tolerance(text: str) -> float:
+    """``--tolerance``: a finite number from 0 up, checked before anything is loaded or exported."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tolerance (a number from 0 up, e.g. 1e-5)")
+    return value
+
+
+def _shown(text: str) -> str:
+    """``text`` with each character a terminal would act on or hide (escape sequences, control characters, line
+    breaks, bidirectional overrides: whatever is not printable) written as its Python escape: names and values come
+    from the file, and printing them raw would let a file rewrite the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's message as one printable line (the first, with a count of the rest)."""
+    lines = str(error).strip().splitlines() or [""]
+    more = f" ({len(lines) - 1} more lines)" if len(lines) > 1 else ""
+    return _shown(lines[0]) + more
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -81,12 +112,13 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "inspect" and args.json:
             print(json.dumps({"file": args.file, "valid": False, "error": str(e)}))
         else:
-            print(f"INVALID {e}" if args.command == "verify" else f"error: {e}", file=sys.stderr)
+            print(f"INVALID {_first_line(e)}" if args.command == "verify" else f"error: {_first_line(e)}",
+                  file=sys.stderr)
         return 1
     if args.command == "verify":
-        print(f"OK {args.file}: {_summary(report)}")
+        print(f"OK {_shown(args.file)}: {_summary(report)}")
         verified = reader.checksums is not None and reader.checksums.usable
-        print(f"  checksums: {report['checksums']}" + (", every tensor matches" if verified else ""))
+        print(f"  checksums: {_shown(report['checksums'])}" + (", every tensor matches" if verified else ""))
         if report["lightning_check"]:
             print(f"  Lightning metadata: {report['lightning_check']}")
         for warning in report["ort_warnings"]:
@@ -102,7 +134,7 @@ def _check_lightning(reader: CheckpointReader) -> str | None:
     if MANIFEST not in reader.properties:
         return None
     try:
-        from ._translation.lightning_dict import from_ort
+        from ._translation.lightning_dict import EXTRA_PREFIX, from_ort
     except ImportError:  # torch is not installed: what can be checked without it
         manifest = _manifest(reader.properties[MANIFEST])
         if manifest is None:
@@ -114,9 +146,34 @@ def _check_lightning(reader: CheckpointReader) -> str | None:
         return "the manifest decodes (torch is not installed: tensors not matched against it)"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        checkpoint = from_ort(reader.load(verify=False), reader.path)  # verified just before
-    return f"decodes ({len(checkpoint)} keys, epoch {checkpoint.get('epoch')}, global step " \
-           f"{checkpoint.get('global_step')})"
+        checkpoint = from_ort(_stand_ins(reader, EXTRA_PREFIX), reader.path)  # the bytes were verified just before
+    return _shown(f"decodes ({len(checkpoint)} keys, epoch {checkpoint.get('epoch')}, global step "
+                  f"{checkpoint.get('global_step')})")
+
+
+def _stand_ins(reader: CheckpointReader, values_prefix: str) -> CheckpointContents:
+    """The file's checkpoint for decoding its Lightning metadata without reading its tensors: parameters, buffers
+    and optimizer state as meta tensors of their stored shape and type (the decode places them; it never reads their
+    bytes, which verification has just hashed a chunk at a time). Tensors inside Lightning's other keys (named
+    ``values_prefix``...: random states, hyperparameter arrays) are decoded as values, so they are the file's, as
+    zero-copy views: memory stays that of a chunk, not of the checkpoint (a full load would hold it all)."""
+    import torch
+
+    def stand_in(info: TensorInfo) -> Any:
+        if info.storage == "strings":
+            return reader.numpy(info)
+        if info.storage != "none" and info.name.startswith(values_prefix):
+            return reader.torch(info)
+        return torch.empty(info.shape if info.storage != "none" else (0,), dtype=info.dtype.to_torch(),
+                           device="meta")
+
+    return CheckpointContents(trainable={n: stand_in(i) for n, i in reader.trainable.items()},
+                      frozen={n: stand_in(i) for n, i in reader.frozen.items()},
+                      optimizer_groups={g.name: OptimizerGroup(g.step, g.initial_learning_rate,
+                                                               {p: {m: stand_in(i) for m, i in ms.items()}
+                                                                for p, ms in g.states.items()})
+                                        for g in reader.optimizer_groups.values()},
+                      properties=dict(reader.properties), nominal=reader.nominal)
 
 
 def _manifest(text: Any) -> dict[str, Any] | None:
@@ -140,33 +197,58 @@ def _json_safe(value: Any) -> Any:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import export_onnx, load_module_class  # torch and onnxruntime: only for this command
-
+    try:
+        from .export import export_onnx, load_module_class  # torch and onnxruntime: only for this command
+    except ModuleNotFoundError as e:
+        return _missing(e)
     try:
         module_class = load_module_class(args.module)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_first_line(e)}", file=sys.stderr)
         return 1
     except BaseException as e:  # noqa: BLE001 - the user's module ran and failed (SyntaxError, SystemExit, ...)
         if isinstance(e, KeyboardInterrupt):
             raise
-        print(f"error: cannot import --module {args.module}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: cannot import --module {_shown(args.module)}: {type(e).__name__}: {_first_line(e)}",
+              file=sys.stderr)
         return 1
     try:
         report = export_onnx(module_class, args.file, args.output, tolerance=args.tolerance,
                              external_data=args.external_data or None)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_first_line(e)}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:  # onnx or onnxruntime, imported when the export reaches them
+        return _missing(e)
     except OSError as e:
         where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != args.output else ""
-        print(f"error: cannot write {args.output}{where}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: cannot write {_shown(args.output)}{_shown(where)}: {e.strerror or e}", file=sys.stderr)
         return 1
     except TypeError as e:  # load_from_checkpoint could not construct the class (it needs arguments)
-        print(f"error: cannot build {args.module} from the checkpoint: {e}", file=sys.stderr)
+        print(f"error: cannot build {_shown(args.module)} from the checkpoint: {_first_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - the user's module failed inside the export: one line, not a traceback
+        print(f"error: cannot export {_shown(args.file)} with {_shown(args.module)}: {type(e).__name__}: "
+              f"{_first_line(e)}", file=sys.stderr)
         return 1
     print(report)
     return 0
+
+
+_INSTALL = {"torch": "torch (pip install torch; see docs/guide.md, Install)",
+            "onnx": 'the ort extra (pip install ".[ort]" in a checkout of lightning-ort-ckpt)',
+            "onnxruntime": 'the ort extra (pip install ".[ort]" in a checkout of lightning-ort-ckpt; '
+                           "onnxruntime-training has wheels for CPython 3.11 on x86_64 Linux only)"}
+
+
+def _missing(e: ModuleNotFoundError) -> int:
+    """A package the export needs is not installed: say which, and what to install (exit status 1)."""
+    top = (e.name or "").partition(".")[0]
+    if top not in _INSTALL:  # a module the user's code imports: its own error
+        print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+    else:
+        print(f"error: ort-ckpt export needs {top}, which is not installed: install {_INSTALL[top]}", file=sys.stderr)
+    return 1
 
 
 def describe(reader: CheckpointReader) -> dict[str, Any]:
@@ -200,17 +282,26 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
 
 
 def _lightning_summary(manifest: Any) -> dict[str, Any] | None:
-    """Epoch, step and version of a Lightning run saved by this project (None for other files)."""
+    """Epoch, step and version of a Lightning run saved by this project (None for other files). Only plain values
+    are shown: a damaged manifest may hold anything there (a list nested 800 deep would outgrow the JSON encoder's
+    recursion), and ``verify`` says what is wrong with it."""
     doc = _manifest(manifest)
     if doc is None:
         return None
     try:
         found = doc["values"]
-        return {"epoch": found.get("epoch"), "global_step": found.get("global_step"),
-                "lightning_version": found.get("pytorch-lightning_version"),
-                "keys": [str(k) for k in doc["keys"] if k != "state_dict"]}
+        return {"epoch": _plain(found.get("epoch")), "global_step": _plain(found.get("global_step")),
+                "lightning_version": _plain(found.get("pytorch-lightning_version")),
+                "keys": [k for k in doc["keys"] if isinstance(k, str) and k != "state_dict"]}
     except (TypeError, ValueError, KeyError, AttributeError):
         return None
+
+
+def _plain(value: Any) -> Any:
+    """``value`` if it is a JSON number, string, boolean or null, else a short word that says it is not."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return f"<damaged: a {type(value).__name__}>"
 
 
 def _tensor(info: TensorInfo) -> dict[str, Any]:
@@ -253,8 +344,25 @@ def _size(n: int) -> str:
 def _value(prop: dict[str, Any]) -> str:
     if prop["type"] == "float":
         return _f32(prop["value"])
-    text = repr(prop["value"])
+    text = _shown(repr(prop["value"]))
     return text if len(text) <= 100 else f"{text[:80]}... ({len(prop['value']):,} characters; --json shows all)"
+
+
+def _columns(text: str) -> int:
+    """How many terminal columns ``text`` takes: East Asian wide characters take two, combining marks none."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    """Lines of a table whose columns fit their widest cell, whatever the names (columns in ``right`` align
+    right); the cells are already made printable."""
+    widths = [max(_columns(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        pads = [" " * (w - _columns(c)) for c, w in zip(cells, widths)]
+        return "  ".join(p + c if i in right else c + p for i, (c, p) in enumerate(zip(cells, pads))).rstrip()
+
+    return [line(header), *map(line, rows)]
 
 
 def _f32(value: float) -> str:
@@ -263,26 +371,25 @@ def _f32(value: float) -> str:
 
 
 def _render(r: dict[str, Any]) -> str:
-    lines = [f"{path}: {_size(size)}" for path, size in r["files"].items()]
+    """The text report; every name and value from the file goes through :func:`_shown`."""
+    lines = [f"{_shown(path)}: {_size(size)}" for path, size in r["files"].items()]
     lines.append(f"format ODTC version {r['version']}; external data: {'yes' if r['external_data'] else 'no'}; "
-                 f"nominal: {'yes' if r['nominal'] else 'no'}; {r['checksums']}")
+                 f"nominal: {'yes' if r['nominal'] else 'no'}; {_shown(r['checksums'])}")
     if r["parameters"]:
-        width = max(len(p["name"]) for p in r["parameters"])
-        lines += ["", f"{'parameter':<{width}}  {'kind':<9}  {'dtype':<14}  {'shape':<18}  {'bytes':>12}  storage"]
-        for p in r["parameters"]:
-            lines.append(f"{p['name']:<{width}}  {p['kind']:<9}  {p['dtype']:<14}  {str(p['shape']):<18}  "
-                         f"{p['bytes']:>12,}  {p['storage']}")
+        lines += ["", *_table(["parameter", "kind", "dtype", "shape", "bytes", "storage"],
+                              [[_shown(p["name"]), p["kind"], p["dtype"], str(p["shape"]), f"{p['bytes']:,}",
+                                p["storage"]] for p in r["parameters"]], right={4})]
     for g in r["optimizer_groups"]:
-        lines += ["", f"optimizer group {g['name']}: step {g['step']}, initial learning rate "
+        lines += ["", f"optimizer group {_shown(g['name'])}: step {g['step']}, initial learning rate "
                       f"{_f32(g['initial_learning_rate'])}, {g['parameters']} parameters, momentums "
-                      f"{', '.join(g['momentum_names']) or '-'} ({_size(g['bytes'])})"]
+                      f"{_shown(', '.join(g['momentum_names'])) or '-'} ({_size(g['bytes'])})"]
     if r["lightning"]:
         lt = r["lightning"]
-        lines += ["", f"Lightning checkpoint: epoch {lt['epoch']}, global step {lt['global_step']}, saved by "
-                      f"Lightning {lt['lightning_version']}; also holds {', '.join(lt['keys'])}"]
+        lines += ["", _shown(f"Lightning checkpoint: epoch {lt['epoch']}, global step {lt['global_step']}, saved by "
+                             f"Lightning {lt['lightning_version']}; also holds {', '.join(lt['keys'])}")]
     if r["properties"]:
         lines += ["", "properties:"]
-        lines += [f"  {p['name']} ({p['type']}) = {_value(p)}" for p in r["properties"]]
+        lines += [f"  {_shown(p['name'])} ({p['type']}) = {_value(p)}" for p in r["properties"]]
     t = r["totals"]
     lines += ["", f"totals: {t['trainable']} trainable ({t['trainable_elements']:,} elements), {t['frozen']} frozen "
                   f"({t['frozen_elements']:,} elements), {t['tensors']} tensors, {_size(t['data_bytes'])} of data, "

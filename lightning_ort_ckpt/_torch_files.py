@@ -8,6 +8,7 @@ tensors and plain containers; it is what we pass unless the caller explicitly pa
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 from collections.abc import Callable
@@ -23,20 +24,27 @@ def load_torch_file(load: Callable[..., Any], path: Any, map_location: Any, weig
     unless the caller asked for it: ``weights_only`` is True unless it is explicitly False (the one opt-in, for
     trusted files: ``Trainer.fit(..., weights_only=False)``). Whatever torch raises about the content comes back as
     our :class:`CorruptCheckpointError` naming the file; the system's errors (a missing file, a directory) stay as
-    they are, naming it too."""
+    they are, naming it too. A local file has been opened by then, so an invalid seek inside it (``EINVAL``: a zip
+    archive cut short points before its own start) is about its content, not the system."""
     weights_only = True if weights_only is None else weights_only
     local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
     if local and os.path.lexists(path) and not os.path.isdir(path):  # a FIFO would block torch's open
         os.close(open_regular(os.fspath(path)))
     try:
         checkpoint = load(path, map_location=map_location, weights_only=weights_only)
-    except (CheckpointError, OSError):  # ours already (an ORT-aware loader inside), or the system's, naming the file
-        raise
+    except (CheckpointError, OSError) as e:  # ours already (an ORT-aware loader inside), or the system's
+        if not (local and isinstance(e, OSError) and e.errno == errno.EINVAL):
+            raise
+        raise _not_loadable(path, e, weights_only) from e
     except Exception as e:  # noqa: BLE001 - torch raises EOFError, UnpicklingError, RuntimeError, IndexError...
-        name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
-        hint = ("; if you trust this file, load it with weights_only=False" if weights_only
-                and isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e) else "")
-        raise CorruptCheckpointError(f"neither an ORT checkpoint nor a torch checkpoint that torch can load "
-                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){hint}",
-                                     name) from e
+        raise _not_loadable(path, e, weights_only) from e
     return check_counters(checkpoint, os.fspath(path)) if local else checkpoint
+
+
+def _not_loadable(path: Any, e: Exception, weights_only: bool) -> CorruptCheckpointError:
+    """Our error for a file torch's loader failed on, with the first line of torch's reason."""
+    name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else repr(path)
+    hint = ("; if you trust this file, load it with weights_only=False" if weights_only
+            and isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e) else "")
+    return CorruptCheckpointError(f"neither an ORT checkpoint nor a torch checkpoint that torch can load "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}){hint}", name)

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
-from lightning_ort_ckpt.format import (CheckpointContents, DataType, OptimizerGroup, load_checkpoint, open_checkpoint,
-                                       save_checkpoint)
+from lightning_ort_ckpt.format import (CheckpointContents, DataType, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format._atomic import wait_for_cleanup
 from ort_reference import assert_same_tensor, file_bytes, raw_bytes
 

@@ -67,10 +67,11 @@ _TAGS = frozenset({"__tensor__", "__ndarray__", "__float__", "__tuple__", "__set
 class Unsaved:
     """A value the checkpoint could not keep (or whose class this process cannot resolve).
 
-    Any use of it (comparison, hashing, truth, attributes, iteration, arithmetic) raises ``CheckpointError``, so a
-    model built from loaded hyperparameters fails loudly instead of silently taking another branch; pass the value
-    again (``load_from_checkpoint(path, name=value)``) to replace it. ``repr`` and ``str`` give the description that
-    was saved.
+    Any use of it (comparison, hashing, truth, attributes, calls, iteration, indexing, arithmetic, conversion to a
+    number or path, formatting with a format spec, ``with``) raises ``CheckpointError``, so a model built from loaded
+    hyperparameters fails loudly instead of silently taking another branch; pass the value again
+    (``load_from_checkpoint(path, name=value)``) to replace it. ``repr``, ``str`` and ``format`` without a spec give
+    the description that was saved.
     """
 
     __slots__ = ("_description",)
@@ -87,6 +88,9 @@ class Unsaved:
     def __copy__(self) -> Unsaved:
         return self
 
+    def __format__(self, spec: str) -> str:  # f"{value}" in a log line describes it; f"{value:.3f}" uses it
+        return repr(self) if not spec else Unsaved._refuse(self)
+
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise CheckpointError(f"a checkpoint value was not saved and cannot be used: {self!r}; pass it again "
                               "(e.g. as a keyword argument of load_from_checkpoint) or save it in a form the "
@@ -100,7 +104,12 @@ class Unsaved:
     __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = __bool__ = __iter__ = _refuse
     __len__ = __getitem__ = __contains__ = __int__ = __float__ = __index__ = _refuse
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
-    __setattr__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __divmod__ = __rdivmod__ = __pow__ = __rpow__ = _refuse
+    __matmul__ = __rmatmul__ = __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = _refuse
+    __lshift__ = __rlshift__ = __rshift__ = __rrshift__ = __neg__ = __pos__ = __abs__ = __invert__ = _refuse
+    __round__ = __trunc__ = __floor__ = __ceil__ = __complex__ = __fspath__ = _refuse
+    __call__ = __setitem__ = __delitem__ = __reversed__ = __enter__ = __exit__ = _refuse
+    __setattr__ = __delattr__ = _refuse
 
 
 def _qualified_name(cls: type) -> str:

@@ -3,13 +3,16 @@
 :class:`CheckpointReader` memory-maps the file and parses only the metadata (names, dims, offsets), checking the
 identifier, the version, that every offset and length is inside the file, that dims are non-negative and that
 ``numel x itemsize`` equals the stored length (Python integers: no overflow), and that an external ``.data`` file is
-present and long enough. Any fault raises :class:`CorruptCheckpointError` naming the file and the fault; nothing is
-allocated from a size the file claims before that size is checked against the file. Tensor bytes are touched only
+present, long enough and in the checkpoint's directory. Any fault raises :class:`CorruptCheckpointError` naming the
+file and the fault; nothing is allocated from a size the file claims before that size is checked against the file. Tensor bytes are touched only
 when asked for, so one tensor of a 10 GB checkpoint costs one tensor's reads; a full load (:meth:`load
 <CheckpointReader.load>`) reads each tensor into memory of its own. Files written by this library record a checksum
-of every tensor (``checksums``): a full load verifies them all, the lazy reader on request.
+of every tensor (``checksums``): a full load verifies them all, the lazy reader on request, reading a chunk at a
+time.
 
-torch is imported only when tensors are requested; metadata and numpy access work without it.
+torch is imported only when tensors are requested. Where it is not installed, tensors come back as numpy arrays
+(:meth:`get_tensor <CheckpointReader.get_tensor>`, :meth:`load <CheckpointReader.load>`, :func:`load_checkpoint`):
+the format layer needs numpy only.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import numpy as np
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import _atomic, _checksums
 from ._contents import CheckpointContents, OptimizerGroup, PropertyValue
-from ._diskio import check_regular, open_regular, read_range
+from ._diskio import _pread_into, check_regular, open_regular, read_range
 from ._dtypes import DataType
 from ._flatbuffers import MAX_FLATBUFFER_SIZE
 from ._platform import portable_io
@@ -149,16 +152,14 @@ class CheckpointReader:
         if self.checksums is None or not self.checksums.usable or id(info) in self._verified:
             return
         if info.storage in ("inline", "external"):
-            h = _checksums.hasher(int(info.dtype), info.shape)
-            h.update(self._raw(info))
-            self._compare(info, h.intdigest())
+            self._compare(info, self._digest(info))
         self._verified.add(id(info))
 
     def verify(self) -> None:
-        """Check every tensor against its recorded checksum (see :meth:`verify_tensor`). Large checkpoints are
-        hashed on two threads (the hash releases the GIL), each taking the next tensor in turn. Where a
-        ``.data`` file is still to be read, this thread reads it first while the other hashes the main file's
-        tensors, so that read overlaps hashing instead of adding to it."""
+        """Check every tensor against its recorded checksum (see :meth:`verify_tensor`), each read a chunk at a time
+        into one buffer, so memory holds a chunk per thread whatever the file's size (no tensor is mapped). Large
+        checkpoints are hashed on two threads (the reads and the hash release the GIL), each taking the next tensor
+        in turn."""
         infos = self.tensors()
         if self.checksums is None or not self.checksums.usable:
             return
@@ -186,12 +187,6 @@ class CheckpointReader:
             helper.start()
         except RuntimeError:  # interpreter shutting down: this thread does it all
             helper = None
-        external = [i for i in infos if i.storage == "external"]
-        if external and helper is not None:
-            try:
-                self._map_for(external[0])
-            except BaseException as e:  # noqa: BLE001 - raised below, once the helper has stopped
-                errors.append(e)
         run()
         if helper is not None:
             helper.join()
@@ -199,11 +194,12 @@ class CheckpointReader:
             raise errors[0]
 
     def get_tensor(self, name: str) -> Any:
-        """A parameter or buffer as a torch tensor, zero-copy from the file where alignment allows."""
+        """A parameter or buffer as a torch tensor, zero-copy from the file where alignment allows; where torch is
+        not installed, as a numpy array (see :meth:`numpy`)."""
         info = self.trainable.get(name) or self.frozen.get(name)
         if info is None:
             raise KeyError(f"{self.path}: no parameter named {name!r}")
-        return self.torch(info)
+        return self.torch(info) if _has_torch() else self.numpy(info)
 
     def torch(self, info: TensorInfo) -> Any:
         """The tensor ``info`` describes. Writes to it never reach the file (the mapping is copy-on-write)."""
@@ -233,7 +229,8 @@ class CheckpointReader:
         return self._raw(info).view(dtype).reshape(info.shape)
 
     def load(self, verify: bool = True) -> CheckpointContents:
-        """Everything, as a :class:`CheckpointContents` of torch tensors, each in memory of its own (nothing left mapped).
+        """Everything, as a :class:`CheckpointContents` of torch tensors (numpy arrays where torch is not installed), each in
+        memory of its own (nothing left mapped).
 
         Each tensor is read from the file straight into memory of its own, in file order (``diskio.read_range``):
         no buffer ever holds the whole file, and a tensor kept alive keeps only its own bytes alive (the optimizer
@@ -265,8 +262,9 @@ class CheckpointReader:
                 done.result()
             if verify:
                 self.verify()  # what is left: everything for a small checkpoint, nothing for a large one
+            tensor = self.torch if _has_torch() else self.numpy
             fresh = {id(i): self.numpy(i) if i.storage == "strings" else self._empty(i) if i.storage == "none"
-                     else self.torch(i) for i in self.tensors()}
+                     else tensor(i) for i in self.tensors()}
         finally:
             if hashing is not None:
                 hashing.shutdown(cancel_futures=True)
@@ -293,6 +291,8 @@ class CheckpointReader:
     @staticmethod
     def _empty(info: TensorInfo) -> Any:
         """A nominal checkpoint's tensor: the dtype is all there is."""
+        if not _has_torch():
+            return np.empty(0, dtype=info.dtype.to_numpy())
         import torch
 
         return torch.empty(0, dtype=info.dtype.to_torch())
@@ -324,7 +324,9 @@ class CheckpointReader:
     def _parse(self) -> None:
         p = _Parser(self._mm, self._fail)
         if bytes(self._mm[4:8]) != FILE_IDENTIFIER:
-            raise self._fail(f"not an ORT checkpoint: file identifier is {bytes(self._mm[4:8])!r}, expected 'ODTC'")
+            kind = _foreign_kind(bytes(self._mm[:16]))
+            raise self._fail(f"not an ORT checkpoint (no 'ODTC' file identifier): {kind}" if kind else
+                             f"not an ORT checkpoint: file identifier is {bytes(self._mm[4:8])!r}, expected 'ODTC'")
         root = p.table(p.u32(0, "root offset"), "Checkpoint")
         self.version = p.scalar(root, CheckpointSlot.VERSION, "i", 0)
         if self.version != VERSION:
@@ -463,6 +465,7 @@ class CheckpointReader:
             raise self._fail(f"its external data file {self.data_path} cannot be opened ({e.strerror or e})") from None
         if not stat.S_ISREG(st.st_mode):
             raise self._fail(f"its external data file {self.data_path} is not a regular file")
+        self._check_confined(None if self._data is None else self._data.fileno())
         size = st.st_size
         for info in self._external:
             if info.offset + info.nbytes > size:
@@ -499,6 +502,50 @@ class CheckpointReader:
             raise self._fail(f"{missing[0].split(':', 1)[1]!r} was saved but is not in the file ({len(missing)} "
                              "tensor(s) missing): its structure or the checksum record is damaged")
 
+    def _check_confined(self, fd: int | None) -> None:
+        """Refuse a ``.data`` that is, or resolves to, a file outside the checkpoint's directory (a symbolic link
+        elsewhere, or one to a directory above): the checkpoint names its companion by its own path, so a planted
+        link would make a reader return, and ``verify`` pass, the bytes of any file the user can read. ONNX refuses
+        external data outside a model's folder for the same reason. The directory the checkpoint is named in and
+        the one it resolves to both count (``save_last="link"`` links a pair into another directory). ``fd`` is the
+        open ``.data``, whose own path is checked where the system says it (no race with a link changed meanwhile).
+        """
+        real = (_fd_path(fd) if fd is not None else None) or os.path.realpath(self.data_path)
+        homes = {os.path.realpath(os.path.dirname(os.path.abspath(self.path))),
+                 os.path.dirname(_fd_path(self._fd) or os.path.realpath(self.path))}
+        if not any(os.path.commonpath([real, home]) == home for home in homes):
+            raise self._fail(f"its external data file {self.data_path} resolves to {real}, outside the checkpoint's "
+                             "directory: it is not read (copy the file next to the checkpoint if you trust it)")
+
+    def _open_data(self) -> Any:
+        """The ``.data`` file, opened again by its path (and checked again: the path may now lead elsewhere)."""
+        f = os.fdopen(open_regular(self.data_path, "external data", self.path), "rb", buffering=0)
+        try:
+            self._check_confined(f.fileno())
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    def _digest(self, info: TensorInfo) -> int:
+        """The checksum of the tensor's bytes: from its own memory while :meth:`load` runs, else read from the file
+        a chunk at a time into one buffer (never mapped: a mapped page read stays in this process's memory)."""
+        h = _checksums.hasher(int(info.dtype), info.shape)
+        own = self._own.get(id(info))
+        if own is not None:
+            h.update(own)
+            return h.intdigest()
+        fd, path = (self._fd, self.path) if info.storage == "inline" else (self._data_fd(), self.data_path)
+        buf = memoryview(bytearray(min(info.nbytes, _VERIFY_CHUNK)))
+        pos, stop = info.offset, info.offset + info.nbytes
+        while pos < stop:
+            n = _pread_into(fd, buf[:min(len(buf), stop - pos)], pos, portable_io())
+            if n == 0:
+                raise CorruptCheckpointError(f"file ended early at byte {pos:,} (it shrank while being read)", path)
+            h.update(buf[:n])
+            pos += n
+        return h.intdigest()
+
     def _compare(self, info: TensorInfo, found: int) -> None:
         if found != self.checksums.digests[self._keys[id(info)]]:  # type: ignore[union-attr]
             where = f" (in {self.data_path})" if info.storage == "external" else ""
@@ -526,11 +573,10 @@ class CheckpointReader:
     def _map_for(self, info: TensorInfo) -> Any:
         if info.storage == "inline":
             return self._mm
-        with self._mapping:  # verify() asks from two threads
+        with self._mapping:
             if self._data_mm is None:
                 needed = max(i.offset + i.nbytes for i in self._external)  # a tail beyond it is never read
-                with self._data if self._data is not None else os.fdopen(
-                        open_regular(self.data_path, "external data", self.path), "rb", buffering=0) as f:
+                with self._data if self._data is not None else self._open_data() as f:
                     if os.fstat(f.fileno()).st_size < needed:
                         raise self._fail(f"its external data file {self.data_path} shrank while it was open")
                     self._data_mm = _map(f.fileno(), needed, self.path)
@@ -539,9 +585,10 @@ class CheckpointReader:
 
     def _data_fd(self) -> int:
         """The ``.data`` file's descriptor: the one opened with the checkpoint, or, once mapped, opened again."""
-        if self._data is None:
-            self._data = os.fdopen(open_regular(self.data_path, "external data", self.path), "rb", buffering=0)
-        return self._data.fileno()
+        with self._mapping:  # verify() asks from two threads
+            if self._data is None:
+                self._data = self._open_data()
+            return self._data.fileno()
 
     def _strings(self, info: TensorInfo) -> list[str]:
         p = _Parser(self._mm, self._fail)
@@ -591,6 +638,41 @@ def _map(fd: int, length: int, path: str) -> mmap.mmap:
         raise CheckpointError(f"cannot map the file into memory: {e.strerror or e}", path) from None
 
 
+def _has_torch() -> bool:
+    """Whether torch can be imported: tensors are torch's where it can, numpy's where it cannot."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fd_path(fd: int) -> str | None:
+    """The path the open file ``fd`` has now (Linux's ``/proc``), or None where the system does not say."""
+    try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return path.removesuffix(" (deleted)") if os.path.isabs(path) else None
+
+
+def _foreign_kind(head: bytes) -> str | None:
+    """What a file that is not an ODTC checkpoint is, in words, from its first bytes (None: unknown)."""
+    if head.startswith(b"PK\x03\x04"):
+        return "it is a zip archive, as torch.save writes (a torch checkpoint: load it with torch or Lightning)"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "it is a Python pickle (a torch checkpoint in torch's legacy format)"
+    if head[:1] == b"\x08":  # ModelProto field 1 (ir_version, a varint), then another ModelProto field's tag
+        end = next((i for i in range(1, min(len(head), 11)) if head[i] < 0x80), None)
+        if end is not None and head[end + 1:end + 2] in (b"\x12", b"\x1a", b"\x22", b"\x28", b"\x32", b"\x3a",
+                                                         b"\x42", b"\x72"):
+            return "it is an ONNX model (an inference or training graph), not a checkpoint of its state"
+    if len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100 << 20:
+        return "it looks like a safetensors file"
+    return None
+
+
+_VERIFY_CHUNK = 1 << 20  # what verification reads at a time, into one buffer per thread
 _PARALLEL_VERIFY_BYTES = 256 << 20  # below this, one thread verifies: starting another costs more than it saves
 _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
