@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ort_ckpt
-from lightning_ort_ckpt import CheckpointError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
+from lightning_ort_ckpt import BindCheckpointIO, CheckpointError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
 from lightning_ort_ckpt import lightning as for_lightning
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt._lightning_adapter import MODEL_CHECKPOINT_PRIVATE
@@ -97,21 +97,22 @@ def trainer_kwargs(root: Path) -> dict:
 def test_plugin_classes_in_either_import_order(first: str, model_module: Path) -> None:
     out = python(f'''
         import pickle, warnings
-        warnings.simplefilter("error", Warning)  # no CheckpointWarning: the plugins get bound
+        warnings.simplefilter("error", Warning)  # no CheckpointWarning: BindCheckpointIO binds the plugins
         warnings.filterwarnings("ignore", module="(pytorch_)?lightning")
         warnings.filterwarnings("ignore", message=".*(worker|LeafSpec|is_tensor_like|weights_only)")
         if "{first}" == "lightning_ort_ckpt":
             import lightning_ort_ckpt, lightning.pytorch as L, pytorch_lightning as pl
         else:
             import lightning.pytorch as L, pytorch_lightning as pl, lightning_ort_ckpt
-        from lightning_ort_ckpt import OrtCheckpointIO as ForPl, load_checkpoint
-        from lightning_ort_ckpt.lightning import OrtCheckpointIO as ForL
+        from lightning_ort_ckpt import BindCheckpointIO as BindPl, OrtCheckpointIO as ForPl, load_checkpoint
+        from lightning_ort_ckpt.lightning import BindCheckpointIO as BindL, OrtCheckpointIO as ForL
         import itmodel
         assert ForL is not ForPl and ForL.__qualname__ == ForPl.__qualname__ == "OrtCheckpointIO"
-        for package, io_class in ((L, ForL), (pl, ForPl)):
+        for package, io_class, bind in ((L, ForL, BindL), (pl, ForPl, BindPl)):
             plugin = pickle.loads(pickle.dumps(io_class(async_save=True)))
             assert type(plugin) is io_class and plugin.async_save
-            trainer = package.Trainer(plugins=[plugin], max_epochs=1, accelerator="cpu", logger=False,
+            trainer = package.Trainer(plugins=[plugin], callbacks=[bind()], max_epochs=1, accelerator="cpu",
+                                      logger=False,
                                       enable_progress_bar=False, enable_model_summary=False,
                                       default_root_dir=package.__name__)
             trainer.fit(itmodel.make(package.LightningModule)(), itmodel.loader())
@@ -132,7 +133,7 @@ def test_plugins_and_callbacks_pickle() -> None:
         assert type(clone) is cls and clone.keep_newest == 2
 
 
-# -- 3. explicit binding: Lightning's ModelCheckpoint with the plugin, no heap search ------------------------------
+# -- 3. explicit binding: Lightning's ModelCheckpoint with the plugin and BindCheckpointIO, its one extra line ------
 @pytest.mark.parametrize("package", [pl, L], ids=["pytorch_lightning", "lightning"])
 def test_plugin_with_lightnings_model_checkpoint_is_bound(package, model_module: Path, tmp_path: Path) -> None:
     sys.path.insert(0, str(model_module))
@@ -141,8 +142,9 @@ def test_plugin_with_lightnings_model_checkpoint_is_bound(package, model_module:
     finally:
         sys.path.remove(str(model_module))
     io_class = OrtCheckpointIO if package is pl else for_lightning.OrtCheckpointIO
+    bind = BindCheckpointIO if package is pl else for_lightning.BindCheckpointIO
     plugin = io_class()
-    trainer = package.Trainer(plugins=[plugin], **trainer_kwargs(tmp_path))
+    trainer = package.Trainer(plugins=[plugin], callbacks=[bind()], **trainer_kwargs(tmp_path))
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)
         trainer.fit(itmodel.make(package.LightningModule)(), itmodel.loader())
@@ -208,9 +210,9 @@ def test_callback_of_the_other_lightning_copy_raises(wrong: str, model_module: P
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
-# -- 4. load_from_checkpoint after `import lightning_ort_ckpt` alone -----------------------------------------------
+# -- 4. load_from_checkpoint after one explicit call, enable_ort_loading() ---------------------------------------
 @pytest.mark.parametrize("first", ["lightning_ort_ckpt", "pytorch_lightning"])
-def test_load_from_checkpoint_after_importing_the_package_alone(first: str, model_module: Path,
+def test_load_from_checkpoint_after_enable_ort_loading(first: str, model_module: Path,
                                                                 tmp_path: Path) -> None:
     sys.path.insert(0, str(model_module))
     try:
@@ -225,8 +227,9 @@ def test_load_from_checkpoint_after_importing_the_package_alone(first: str, mode
     out = python(f'''
         import io, sys, torch
         import {first}, {second}
-        assert "lightning_ort_ckpt._plugin" not in sys.modules
         import pytorch_lightning as pl, itmodel
+        lightning_ort_ckpt.enable_ort_loading()  # the one documented line
+        assert "lightning_ort_ckpt._plugin" not in sys.modules  # no plugin, no callback: the loader alone
         Net = itmodel.make(pl.LightningModule)
         expected = torch.load("expected.pt")
         path = {str(callback.best_model_path)!r}
@@ -251,8 +254,16 @@ def test_file_like_torch_checkpoints_still_load(tmp_path: Path) -> None:
     torch.save({"state_dict": {"w": torch.arange(3.0)}}, buffer)
     buffer.seek(0)
     assert torch.equal(saving.pl_load(buffer, map_location="cpu")["state_dict"]["w"], torch.arange(3.0))
-    lightning_ort_ckpt._lightning_adapter.install_ort_loader()  # idempotent: still one wrapper deep
-    assert not getattr(saving.pl_load.__wrapped__, "reads_ort_checkpoints", False)
+    lightning_ort_ckpt.enable_ort_loading()
+    lightning_ort_ckpt.enable_ort_loading()  # twice: still one wrapper deep
+    try:
+        assert getattr(saving.pl_load, "reads_ort_checkpoints", False)
+        assert not getattr(saving.pl_load.__wrapped__, "reads_ort_checkpoints", False)
+        buffer.seek(0)
+        assert torch.equal(saving.pl_load(buffer, map_location="cpu")["state_dict"]["w"], torch.arange(3.0))
+    finally:
+        lightning_ort_ckpt.disable_ort_loading()
+        lightning_ort_ckpt.disable_ort_loading()
 
 
 # -- 5. the private Lightning names we rely on exist ---------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 pytest.importorskip("onnxruntime.training")
 pl = pytest.importorskip("pytorch_lightning")
 
-from lightning_ort_ckpt import OrtCheckpointIO, open_checkpoint
+from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO, open_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt._translation import MANIFEST
 from ort_reference import Artifacts, assert_same_tensor, export_artifacts, ort_api, ort_parameters, ort_train
@@ -86,7 +86,7 @@ def loader(seed: int = 0, count: int = 8) -> torch.utils.data.DataLoader:
 def make_trainer(max_steps: int, callbacks: list[Any] | None = None) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, max_steps=max_steps,
-                      plugins=[OrtCheckpointIO()], callbacks=callbacks or [])
+                      plugins=[OrtCheckpointIO()], callbacks=[*(callbacks or []), BindCheckpointIO()])
 
 
 def new_model(seed: int, optimizer: str = "adamw") -> LitNet:

@@ -32,7 +32,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_ort_ckpt import CheckpointSaveError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
+from lightning_ort_ckpt import (BindCheckpointIO, CheckpointSaveError, CorruptCheckpointError, OrtCheckpoint,
+                                OrtCheckpointIO)
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format._store import store_for, strip_protocol
@@ -247,7 +248,7 @@ def test_explicit_url_load_from_checkpoint_and_missing_objects(s3: Store) -> Non
     assert_same_state(state(loaded), state(model))
 
     resumed = ENTRY.build(3)
-    trainer = fit(resumed, [], ckpt_path=url, plugins=[OrtCheckpointIO(storage_options=s3.options)],
+    trainer = fit(resumed, [BindCheckpointIO()], ckpt_path=url, plugins=[OrtCheckpointIO(storage_options=s3.options)],
                   enable_checkpointing=False, max_epochs=2)
     straight = ENTRY.build(0)
     fit(straight, [], enable_checkpointing=False, max_epochs=2)
@@ -270,7 +271,8 @@ def test_storage_options_alone_reach_the_store(s3: Store, monkeypatch: pytest.Mo
     with pytest.raises(CheckpointSaveError):  # the check that this test means something: no options, no server
         save_checkpoint(big_checkpoint(1000, 0), s3.url("nowhere.ckpt"))
     model = ENTRY.build(0)
-    trainer = fit(model, [], plugins=[OrtCheckpointIO(storage_options=s3.options)], enable_checkpointing=False,
+    trainer = fit(model, [BindCheckpointIO()], plugins=[OrtCheckpointIO(storage_options=s3.options)],
+                  enable_checkpointing=False,
                   max_epochs=1)
     trainer.save_checkpoint(s3.url("a.ckpt"))
     trainer.strategy.checkpoint_io.storage_options = None

@@ -32,7 +32,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, DataType, load_checkpoint, open_checkpoint
+from lightning_ort_ckpt import (BindCheckpointIO, CheckpointError, CorruptCheckpointError, DataType, load_checkpoint,
+                                open_checkpoint)
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
@@ -211,7 +212,7 @@ def trainer(root: Any, *, plugin: OrtCheckpointIO | bool = True, callbacks: Iter
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, deterministic=True, default_root_dir=os.fspath(root),
                       enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-                      callbacks=callbacks, plugins=plugins, **kwargs)
+                      callbacks=[*callbacks, BindCheckpointIO()] if plugins else callbacks, plugins=plugins, **kwargs)
 
 
 def save_native(t: pl.Trainer, path: Any) -> None:
