@@ -28,6 +28,7 @@ from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
 from .format._store import store_for
 from .format._reader import CheckpointReader, TensorInfo
+from .format._shared_data import damage_note
 from ._translation import FORMAT, MANIFEST
 
 
@@ -82,6 +83,8 @@ def _run(args: argparse.Namespace) -> int:
             print(json.dumps({"file": args.file, "valid": False, "error": str(e)}))
         else:
             print(f"INVALID {e}" if args.command == "verify" else f"error: {e}", file=sys.stderr)
+            if args.command == "verify" and (note := damage_note(args.file, str(e))):
+                print(f"  {note}", file=sys.stderr)
         return 1
     if args.command == "verify":
         print(f"OK {args.file}: {_summary(report)}")

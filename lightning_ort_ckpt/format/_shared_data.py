@@ -202,14 +202,13 @@ def sharing_checkpoints(path: str, suffix: str = ".ckpt") -> list[str]:
 
 
 def damage_note(path: str, error: str) -> str:
-    """What to add to the message of an error of checkpoint ``path`` when the damage lies in a ``.data`` file other
-    checkpoints share: the file, and how many checkpoints (which) it takes; "" otherwise."""
+    """For an error of checkpoint ``path`` (its message ``error``) whose damage lies in a ``.data`` file other
+    checkpoints share: a sentence naming the file and every checkpoint it takes with it; "" otherwise."""
     data = path + ".data"
     if data not in error:
         return ""
     sharing = sharing_checkpoints(path, os.path.splitext(path)[1] or ".ckpt")
     if len(sharing) < 2:
         return ""
-    names = ", ".join(os.path.basename(p) for p in sharing)
-    return (f"; {data} is a shared .data (hard links): {len(sharing)} checkpoints share it and are lost with it "
-            f"({names})")
+    return (f"{data} is a shared .data (hard links): the {len(sharing)} checkpoints sharing it are damaged with it: "
+            f"{', '.join(os.path.basename(p) for p in sharing)}")
