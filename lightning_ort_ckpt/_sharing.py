@@ -17,6 +17,10 @@ bumping it (a buffer found changed that way is never shared again), and a write 
 little faster on a busy machine (docs/performance.md has the cost of hashing), but a write through ``.data`` then
 goes unseen and the file keeps the old bytes.
 
+No single point of failure: the saves of a directory keep two independent ``.data`` files of the frozen tensors and
+alternate between them, and a file is read back against its checksums before it is linked when it may have changed
+(:class:`FrozenSharing`); one damaged file costs only the checkpoints that link to it.
+
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a
 remote (``scheme://``) path is written whole.
