@@ -166,7 +166,7 @@ class FrozenSharing:
                 ck.frozen[name] = _copy_unchanged(ck.frozen[name], snap, name, path)
                 copied.add(name)
             try:
-                saved = save_checkpoint(ck, path, external_data=external_data, shared=spec if not linked else
+                saved = save_checkpoint(ck, path, external_data=external_data, shared=spec if not linked or spec is None else
                                         replace(spec, changed_since_asked=lambda n: not snap.still_live(n)))
                 break
             except NotShared as e:  # no link here, or tensors that changed unseen
