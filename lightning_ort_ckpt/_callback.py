@@ -54,6 +54,7 @@ from ._retention import retain
 from ._torch_files import load_torch_file
 from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
 from .format import CheckpointContents
+from .format._shared_data import damage_note
 from .format._store import StorageOptions, Store, is_remote, local_path, store_for, strip_protocol
 from .format._writer import ExternalData
 
@@ -462,7 +463,9 @@ class OrtCheckpointMixin:
             try:
                 found = _resumable(path, self.checkpoint_io.storage_options)
             except CheckpointError as e:
-                warnings.warn(f"{path} cannot be resumed from ({str(e).removeprefix(f'{path}: ')}); trying the next "
+                why = str(e).removeprefix(f"{path}: ")
+                note = damage_note(path, str(e))  # a shared .data: how many checkpoints it takes with it
+                warnings.warn(f"{path} cannot be resumed from ({why}{'; ' + note if note else ''}); trying the next "
                               "newest checkpoint", CheckpointWarning, stacklevel=2)
                 continue
             io.hold(path, found)

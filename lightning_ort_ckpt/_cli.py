@@ -32,6 +32,7 @@ from .errors import CheckpointError, CorruptCheckpointError
 from .format import CheckpointContents, OptimizerGroup
 from .format._store import store_for
 from .format._reader import CheckpointReader, TensorInfo
+from .format._shared_data import damage_note
 from ._translation import FORMAT, MANIFEST
 
 
@@ -114,6 +115,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             print(f"INVALID {_first_line(e)}" if args.command == "verify" else f"error: {_first_line(e)}",
                   file=sys.stderr)
+            if args.command == "verify" and (note := damage_note(args.file, str(e))):
+                print(f"  {_shown(note)}", file=sys.stderr)
         return 1
     if args.command == "verify":
         print(f"OK {_shown(args.file)}: {_summary(report)}")

@@ -17,8 +17,8 @@ random states a file carries are restored when training starts (:meth:`OrtCheckp
 called by the bound callback), after Lightning built the data loaders, as in the uninterrupted run.
 
 Frozen tensors that did not change since the previous save to the same directory are not written again where the
-store can link files: the new file's ``.data`` is a hard link to the previous one's (``share_frozen``, on by
-default; see ``_sharing``).
+store can link files: the new file's ``.data`` is a hard link to one of two independent copies written before
+(``share_frozen``, on by default; see ``_sharing``).
 
 With ``async_save=True`` a save copies the tensors to CPU memory of its own (``_staging``), so training may change
 its own at once, and returns; one background thread (``_async_saver``) writes files, deletes replaced ones and

@@ -17,6 +17,10 @@ bumping it (a buffer found changed that way is never shared again), and a write 
 little faster on a busy machine (docs/performance.md has the cost of hashing), but a write through ``.data`` then
 goes unseen and the file keeps the old bytes.
 
+No single point of failure: the saves of a directory keep two independent ``.data`` files of the frozen tensors and
+alternate between them, and a file is read back against its checksums before it is linked when it may have changed
+(:class:`FrozenSharing`); one damaged file costs only the checkpoints that link to it.
+
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a
 remote (``scheme://``) path is written whole.
@@ -25,6 +29,7 @@ remote (``scheme://``) path is written whole.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from dataclasses import dataclass, field, replace
 from collections.abc import Collection
@@ -32,17 +37,25 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointSaveError
+from .errors import CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, data_path, save_checkpoint
 from .format._checksums import param_key
-from .format._shared_data import Identity, NotShared, SavedData, SharedFrozen, identity
+from .format._shared_data import (Identity, NotShared, SavedData, SharedFrozen, identity, sharing_checkpoints,
+                                  verify_data)
 from .format._writer import ExternalData
 
 MIN_BYTES = 64 << 10
 """A frozen tensor smaller than this stays inline (rewritten by every save)."""
 MIN_TOTAL_BYTES = 1 << 20
 """Below this many bytes of frozen tensors, nothing is shared."""
-_SOURCES = 8  # names of one shared .data remembered as link sources (any one of them that still exists will do)
+COPIES = 2
+"""Independent ``.data`` files (inodes) holding the frozen tensors among a directory's saves: a save writes a fresh
+one while fewer can be linked, else links the one linked least recently (see :class:`FrozenSharing`)."""
+LINKS_PER_COPY = 32
+"""Saves that may link one ``.data`` file; the next writes a fresh copy (what one damaged file can take)."""
+VERIFY_EVERY = 16
+"""Saves of a directory between two full read-backs of a ``.data`` file before it is linked again."""
+_REMEMBERED = 2 * COPIES  # copies remembered per directory (the newest): older ones are never linked again
 
 
 def _state(t: torch.Tensor) -> tuple[Any, ...]:
@@ -76,24 +89,44 @@ class Snapshot:
         return then is not None and now is not None and then[0]() is now[0]() is not None and then[1] == now[1]
 
 
-@dataclass
-class _Record:
-    """What the previous sharing save of a directory put in its ``.data``."""
+_Key = tuple[Identity, int, int]  # a .data name's identity, ctime and link count when last looked at
 
-    sources: list[str]
-    identity: Identity
+
+@dataclass
+class _Copy:
+    """One ``.data`` file a sharing save wrote fresh (an independent copy of the frozen tensors) and the names of
+    the later saves that link (or clone) it."""
+
+    names: dict[str, _Key]  # .data path -> what it was when last looked at (a clone is an inode of its own)
     offsets: dict[str, int]
     digests: dict[str, int]
-    seen: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]] = field(default_factory=dict)
+    layout: dict[str, tuple[int, tuple[int, ...], int]]
+    seen: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]]
+    size: int
+    used: int  # the directory's save count when it was last written or linked (the least recently used is next)
+    verified: int  # the save count when its bytes on disk were last read back and matched their checksums
+    links: int = 0
 
 
 class FrozenSharing:
-    """The sharing state of one plugin: the last save call's snapshot and the last save's record, per directory."""
+    """The sharing state of one plugin: the last save call's snapshot and, per directory, the independent copies of
+    the frozen tensors that later saves may link.
+
+    Redundancy: a save writes a fresh ``.data`` while fewer than :data:`COPIES` copies can be linked, and else links
+    the copy linked least recently, so that consecutive saves alternate between independent files (any two of them
+    kept, every frozen byte is in two files); a copy that :data:`LINKS_PER_COPY` saves linked is replaced by a fresh
+    one (one damaged file takes at most that many checkpoints). Before a save links a copy, its bytes on disk are
+    known good: read back and hashed against the recorded checksums when its identity changed (inode, size,
+    modification time, or the change time without a change of link count: links and deletions are ours), and every
+    :data:`VERIFY_EVERY` saves in any case; a copy that fails is never linked again (a warning names the checkpoints
+    it took), and the save writes a fresh one.
+    """
 
     def __init__(self, trust_parameters: bool = False) -> None:
         self.trust_parameters = trust_parameters
         self._calls: dict[str, Snapshot] = {}
-        self._records: dict[str, _Record] = {}
+        self._copies: dict[str, list[_Copy]] = {}
+        self._saves: dict[str, int] = {}
         # tensors found changed although their version was not (BatchNorm's running statistics: its kernels update
         # them in place without bumping the counter): never shared again, always written inline
         self._volatile: set[str] = set()
@@ -120,12 +153,12 @@ class FrozenSharing:
 
     def save(self, ck: CheckpointContents, path: str, snap: Snapshot, external_data: ExternalData,
              kept: Collection[str] = ()) -> None:
-        """Write ``ck`` to ``path`` sharing what the previous save of the directory holds unchanged, and remember
-        what this one holds. ``kept``: frozen parameters of ``ck`` that are the live ones, not staged copies (an
-        asynchronous save); those this save writes after all are copied first, and must not have changed since the
-        call."""
-        record = self._records.pop(snap.directory, None)  # a failed save leaves none: the next one starts fresh
-        spec = self._spec(ck, snap, record)
+        """Write ``ck`` to ``path`` sharing what a copy of the directory holds unchanged, and remember what this save
+        holds. ``kept``: frozen parameters of ``ck`` that are the live ones, not staged copies (an asynchronous
+        save); those this save writes after all are copied first, and must not have changed since the call."""
+        copies = self._copies.pop(snap.directory, [])  # a failed save leaves none: the next ones start fresh
+        count = self._saves[snap.directory] = self._saves.get(snap.directory, 0) + 1
+        chosen, spec = self._spec(ck, snap, copies, count, path)
         copied: set[str] = set()
         while True:
             linked = spec.names.keys() if spec is not None and spec.link_from is not None else set()
@@ -133,52 +166,111 @@ class FrozenSharing:
                 ck.frozen[name] = _copy_unchanged(ck.frozen[name], snap, name, path)
                 copied.add(name)
             try:
-                saved = save_checkpoint(ck, path, external_data=external_data, shared=spec if not linked else
+                saved = save_checkpoint(ck, path, external_data=external_data, shared=spec if not linked or spec is None else
                                         replace(spec, changed_since_asked=lambda n: not snap.still_live(n)))
                 break
             except NotShared as e:  # no link here, or tensors that changed unseen
                 # a buffer is never shared again (a forward pass changes it unseen: BatchNorm's statistics); a
                 # parameter changed through .data once: this save writes a fresh .data, and later ones share that
                 self._volatile.update(n for n in e.names if n not in snap.params)
-                moved = not e.names or any(n in snap.params for n in e.names)
-                spec = self._spec(ck, snap, None if moved else record)
+                if not e.names or any(n in snap.params for n in e.names):
+                    copies = []
+                chosen, spec = self._spec(ck, snap, copies, count, path)
         if saved is not None:
-            self._records[snap.directory] = self._remember(path, snap, saved, record)
+            self._copies[snap.directory] = self._remember(path, snap, saved, copies, chosen, count)
 
-    def _spec(self, ck: CheckpointContents, snap: Snapshot, record: _Record | None) -> SharedFrozen | None:
-        if record is not None:
-            same = {n: record.offsets[n] for n in snap.live if n in record.offsets and n not in self._volatile
-                    and snap.still(n, record.seen.get(n))}
-            shared_bytes = sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in same)
-            source = _source(record)
-            if source is not None and shared_bytes * 2 >= record.identity[2] and shared_bytes >= MIN_TOTAL_BYTES:
-                keys = [param_key(n) for n in same]
-                trusted = frozenset(snap.params & same.keys()) if self.trust_parameters else frozenset()
-                return SharedFrozen(same, source, record.identity,
-                                    {k: record.digests[k] for k in keys if k in record.digests}, trusted)
+    def _spec(self, ck: CheckpointContents, snap: Snapshot, copies: list[_Copy], count: int,
+              path: str) -> tuple[_Copy | None, SharedFrozen | None]:
+        """The copy this save links and how, or (None, a fresh ``.data``) while fewer than :data:`COPIES` copies
+        can be linked; drops from ``copies`` those no name reaches any more and those that fail verification."""
+        while True:
+            copies[:] = [c for c in copies if _reachable(c)]
+            linkable = []
+            for c in copies:
+                same = {n: c.offsets[n] for n in snap.live if n in c.offsets and n not in self._volatile
+                        and snap.still(n, c.seen.get(n))}
+                shared_bytes = sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in same)
+                if shared_bytes * 2 >= c.size and shared_bytes >= MIN_TOTAL_BYTES and c.links < LINKS_PER_COPY:
+                    linkable.append((c, same))
+            if len(linkable) < COPIES:
+                break
+            chosen, same = min(linkable, key=lambda item: item[0].used)
+            source = _checked(chosen, count, path)
+            if source is None:
+                copies.remove(chosen)
+                continue
+            keys = [param_key(n) for n in same]
+            trusted = frozenset(snap.params & same.keys()) if self.trust_parameters else frozenset()
+            return chosen, SharedFrozen(same, source, chosen.names[source][0],
+                                        {k: chosen.digests[k] for k in keys if k in chosen.digests}, trusted)
         names = set(snap.live) - self._volatile  # a fresh .data
         if sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in names) < MIN_TOTAL_BYTES:
-            return None
-        return SharedFrozen.fresh(names)
+            return None, None
+        return None, SharedFrozen.fresh(names)
 
-    def _remember(self, path: str, snap: Snapshot, saved: SavedData, record: _Record | None) -> _Record:
-        sources = [data_path(os.path.abspath(path))]
-        if saved.linked and record is not None:
-            sources += [s for s in record.sources if s not in sources][:_SOURCES - 1]
-        return _Record(sources, saved.identity, saved.offsets, saved.digests,
-                       {n: snap.live[n] for n in saved.offsets if n in snap.live})
+    def _remember(self, path: str, snap: Snapshot, saved: SavedData, copies: list[_Copy], chosen: _Copy | None,
+                  count: int) -> list[_Copy]:
+        data = data_path(os.path.abspath(path))
+        for c in copies:  # this name now reaches what this save put there
+            c.names.pop(data, None)
+        key = _key(data)
+        if saved.linked and chosen is not None and key is not None:
+            for name, (ident, _, _) in list(chosen.names.items()):  # one more link: their ctime and count moved
+                if ident[:2] == key[0][:2]:
+                    chosen.names[name] = key
+            chosen.names[data] = key
+            chosen.links += 1
+            chosen.used = count
+            chosen.seen.update({n: snap.live[n] for n in saved.offsets if n in snap.live})
+        elif key is not None:
+            copies.append(_Copy({data: key}, saved.offsets, saved.digests, saved.layout,
+                                {n: snap.live[n] for n in saved.offsets if n in snap.live}, saved.identity[2],
+                                used=count, verified=count))
+        return [c for c in copies if c.names][-_REMEMBERED:]
 
 
-def _source(record: _Record) -> str | None:
-    """A name that still reaches the recorded ``.data`` (the newest save's may be deleted or replaced since)."""
-    for source in record.sources:
-        try:
-            st = os.stat(source, follow_symlinks=False)
-        except OSError:
-            continue
-        if identity(st) == record.identity:
-            return source
-    return None
+def _key(data: str) -> _Key | None:
+    try:
+        st = os.stat(data, follow_symlinks=False)
+    except OSError:
+        return None
+    return identity(st), st.st_ctime_ns, st.st_nlink
+
+
+def _reachable(copy: _Copy) -> bool:
+    """Forget the names of ``copy`` that are another file now (replaced, deleted); whether any is left."""
+    for name, (ident, _, _) in list(copy.names.items()):
+        now = _key(name)
+        if now is None or now[0][:2] != ident[:2]:
+            del copy.names[name]
+    return bool(copy.names)
+
+
+def _checked(copy: _Copy, count: int, path: str) -> str | None:
+    """A name of ``copy`` whose bytes are known good, read back and verified when its identity changed or
+    :data:`VERIFY_EVERY` saves passed; None (with a warning) when they are not."""
+    source = max(copy.names, key=lambda n: copy.names[n][0][3])  # the newest name (a clone: its own inode)
+    then, now = copy.names[source], _key(source)
+    if now is None:
+        return None
+    moved = now[0] != then[0] or (now[1] != then[1] and now[2] == then[2])
+    if not moved and count - copy.verified < VERIFY_EVERY:
+        return source
+    found, bad = verify_data(source, copy.offsets, copy.layout, copy.digests)
+    if found is None or bad or found != now[0]:
+        lost = sharing_checkpoints(source[:-len(".data")])
+        what = (f"frozen tensor {bad[0]!r} ({len(bad)} in all) no longer matches the checksum recorded when it was "
+                f"written" if bad else "it could not be read back")
+        warnings.warn(f"{source}: this shared .data is damaged ({what}); {path} gets a fresh copy instead, and no "
+                      f"save links to it again. The {len(lost)} checkpoint(s) linking to it cannot be loaded: "
+                      f"{', '.join(os.path.basename(p) for p in lost) or 'none left'}", CheckpointWarning,
+                      stacklevel=4)
+        return None
+    for name, (ident, _, _) in list(copy.names.items()):
+        if ident[:2] == now[0][:2]:
+            copy.names[name] = now
+    copy.verified = count
+    return source
 
 
 def _copy_unchanged(t: torch.Tensor, snap: Snapshot, name: str, path: str) -> torch.Tensor:

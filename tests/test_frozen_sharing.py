@@ -1,7 +1,8 @@
 """Frozen-tensor sharing (``lightning_ort_ckpt._sharing``, ``format.shared``): saves write only what changed.
 
-* saves whose frozen tensors did not change share one ``.data`` inode (hard links) and write only the main file;
-  every file still loads alone (in our reader and in ORT 1.19.2, which trains a step from it) and resumes bitwise;
+* saves whose frozen tensors did not change share ``.data`` inodes (hard links) and write only the main file,
+  alternating between two independent copies (issue 24: tests/test_sharing_redundancy.py); every file still loads
+  alone (in our reader and in ORT 1.19.2, which trains a step from it) and resumes bitwise;
 * deleting, rotating or overwriting any checkpoint leaves the others whole, and a save killed at any point of a
   sharing save leaves every earlier file intact;
 * a frozen tensor that changed (``load_state_dict``, a write through ``.data``), and BatchNorm statistics, are
@@ -34,6 +35,7 @@ from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format import _shared_data as shared
 from lightning_ort_ckpt.format._shared_data import SharedFrozen
+from lightning_ort_ckpt.format._store import store_for
 from ort_reference import assert_same_checkpoint, assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO
 
@@ -119,10 +121,11 @@ def test_unchanged_saves_share_one_data_file(tmp_path: Path, async_save: bool, s
     assert os.path.islink(last) == (save_last == "link")
     frozen_bytes = ENTRY.build(0).state_dict()[SHARED].numel() * 4
     inodes = {inode(p) for p in files}
-    assert len(inodes) == 1  # one .data for all seven files
-    data = Path(atomic.data_path(str(files[0])))
-    assert data.stat().st_nlink == 6 + (save_last is True)  # a symlinked last.ckpt.data is no extra link
-    assert data.stat().st_size == frozen_bytes and not data.stat().st_mode & 0o222  # read-only
+    assert len(inodes) == 2  # two independent .data files for all seven files (the redundancy of issue 24)
+    datas = {inode(p): Path(atomic.data_path(str(p))) for p in files if not os.path.islink(p)}
+    assert sum(d.stat().st_nlink for d in datas.values()) == 6 + (save_last is True)  # a symlink is no extra link
+    for data in datas.values():
+        assert data.stat().st_size == frozen_bytes and not data.stat().st_mode & 0o222  # read-only
     for p in files:
         assert external(p) == {SHARED: 0}
         assert p.stat().st_size < frozen_bytes / 8  # the main file holds only what is not shared
@@ -137,7 +140,7 @@ def test_each_shared_file_trains_in_ort_alone_and_resumes_bitwise(tmp_path: Path
     trainer, _, _ = fit(run, steps=8)
     final = {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}
     files = checkpoints(run)
-    assert len({inode(p) for p in files}) == 1
+    assert len({inode(p) for p in files}) == 2
     art = make_training_artifacts(ENTRY.cls, files[0], tmp_path / "art")
     api = ort_api()
     x, y = ENTRY.data(seed=5)
@@ -199,11 +202,12 @@ def test_rotation_keeps_one_frozen_copy(tmp_path: Path, retention: str) -> None:
     _, _, states = fit(tmp_path, steps=7, model=Scored(), save_last=True, **kw)
     files = checkpoints(tmp_path)
     assert len(files) == 4 and tmp_path / "last.ckpt" in files
-    assert len({inode(p) for p in files}) == 1
-    assert Path(atomic.data_path(str(files[0]))).stat().st_nlink == 4  # the rotated-out files' names are gone
+    assert len({inode(p) for p in files}) == 2  # two independent copies (issue 24), no more
+    datas = {inode(p): Path(atomic.data_path(str(p))) for p in files}
+    assert sum(d.stat().st_nlink for d in datas.values()) == 4  # the rotated-out files' names are gone
     frozen_bytes = ENTRY.build(0).state_dict()[SHARED].numel() * 4
-    used = sum(p.stat().st_size for p in files) + frozen_bytes
-    assert used <= frozen_bytes + 4 * max(p.stat().st_size for p in files)
+    used = sum(p.stat().st_size for p in files) + 2 * frozen_bytes
+    assert used <= 2 * frozen_bytes + 4 * max(p.stat().st_size for p in files)
     for p in files:
         step = int(p.name.split("step=")[1].split(".")[0]) if "step=" in p.name else 7
         assert_alone_holds(p, states.states[step], tmp_path)
@@ -243,7 +247,7 @@ def test_a_changed_frozen_tensor_is_written_fresh(tmp_path: Path, how: str, asyn
     _, _, at = fit(tmp_path, steps=6, io=io, extra=(Mutate(how, 3),))
     files = {int(p.name.split("step=")[1].split(".")[0]): p for p in checkpoints(tmp_path)}
     before, after = {inode(files[s]) for s in (1, 2)}, {inode(files[s]) for s in (3, 4, 5, 6)}
-    assert len(before) == 1 and len(after) == 1 and before != after
+    assert len(before) == 2 and len(after) == 2 and not before & after  # two copies of each (issue 24)
     for step, p in files.items():
         assert_alone_holds(p, at.states[step], tmp_path)
     assert not torch.equal(at.states[2][SHARED], at.states[3][SHARED])
@@ -255,7 +259,7 @@ def test_trusted_sharing_takes_torchs_word_and_misses_a_write_through_data(tmp_p
     io = OrtCheckpointIO(share_frozen="trusted")
     _, _, at = fit(tmp_path, steps=4, io=io, extra=(Mutate("data", 3),))
     files = {int(p.name.split("step=")[1].split(".")[0]): p for p in checkpoints(tmp_path)}
-    assert len({inode(p) for p in files.values()}) == 1  # all four link the one .data written at step 1
+    assert len({inode(p) for p in files.values()}) == 2  # all four link the two copies written at steps 1 and 2
     assert not torch.equal(at.states[2][SHARED], at.states[3][SHARED])  # although the live weight changed
     with open_checkpoint(files[4]) as reader:
         assert torch.equal(reader.get_tensor(SHARED), at.states[2][SHARED])  # the stale bytes, as documented
@@ -268,13 +272,14 @@ def test_batchnorm_statistics_are_written_each_time(tmp_path: Path, monkeypatch:
     first = external(files[0])
     assert {"bn.running_mean", "bn.running_var", SHARED} <= first.keys()  # the first save knows no history
     stats = {"bn.running_mean", "bn.running_var"}
-    second = external(files[1])
-    assert second.keys() == first.keys() - stats  # they changed at every step: inline from then on
-    for p in files[2:]:
-        assert external(p) == second  # the same .data, at the same offsets
+    assert external(files[1]) == first  # the second copy (issue 24), written fresh as the first
+    third = external(files[2])
+    assert third.keys() == first.keys() - stats  # they changed at every step: inline from then on
+    for p in files[3:]:
+        assert external(p) == third  # the same layout in both copies, at the same offsets
     # their version counter does not move (BatchNorm's kernels update them unseen): the checksums caught it, the
-    # second save left them out of the link, and every save shares the first .data
-    assert len({inode(p) for p in files}) == 1
+    # first linking save left them out of the link, and every save shares one of the first two .data files
+    assert len({inode(p) for p in files}) == 2
     for p in files:
         step = int(p.name.split("step=")[1].split(".")[0])
         assert_alone_holds(p, states.states[step], tmp_path)
@@ -367,7 +372,8 @@ def test_remote_paths_are_never_shared() -> None:
     model = ENTRY.build(0)
     state = model.state_dict()
     ck = CheckpointContents(frozen={k: v for k, v in state.items() if k.startswith("backbone")})
-    assert sharing.FrozenSharing().snapshot(ck, "s3://bucket/run/a.ckpt", model) is None
+    assert not store_for("s3://bucket/run/a.ckpt").links  # the plugin asks for a snapshot only where it links
+    assert store_for("/tmp/run/a.ckpt").links
     assert sharing.FrozenSharing().snapshot(ck, "/tmp/run/a.ckpt", model) is not None
 
 
@@ -459,6 +465,7 @@ sys.path.insert(0, {tests!r})
 from test_frozen_sharing import frozen_checkpoint, linked_spec
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format._shared_data import SharedFrozen
+from lightning_ort_ckpt.format._store import store_for
 directory, point, target = sys.argv[1], sys.argv[2], sys.argv[3]
 a, b = os.path.join(directory, "a.ckpt"), os.path.join(directory, "b.ckpt")
 names = {{"backbone.0.weight": -1, "backbone.1.weight": -1}}

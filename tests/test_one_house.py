@@ -33,9 +33,10 @@ def run(code: str) -> str:
 def test_a_plain_trainer_has_exactly_lightnings_callbacks_and_loader(imported: str) -> None:
     """The package is installed (editable, in this venv): a Trainer that does not use it is Lightning's own."""
     out = run(f"""
-        import sys
-        hooks = list(sys.meta_path)
+        import atexit, sys, threading
+        hooks, exits = list(sys.meta_path), atexit._ncallbacks()
         {"import lightning_ort_ckpt" if imported != "nothing" else ""}
+        print(atexit._ncallbacks() - exits, [t.name for t in threading.enumerate() if t.name.startswith("ort")])
         import pytorch_lightning as pl
         from pytorch_lightning.core import saving
         from lightning_fabric.plugins.io import torch_io
@@ -48,8 +49,9 @@ def test_a_plain_trainer_has_exactly_lightnings_callbacks_and_loader(imported: s
                      and m not in ("lightning_ort_ckpt",) and not m.startswith(("lightning_ort_ckpt.format",
                      "lightning_ort_ckpt.errors"))))
     """).splitlines()
-    assert all(name.startswith("pytorch_lightning.") for name in eval(out[0])), out[0]
-    assert out[1:] == ["True True", "[]", "[]"]
+    assert out[0] == "0 []", out[0]  # no atexit registration, no thread
+    assert all(name.startswith("pytorch_lightning.") for name in eval(out[1])), out[1]
+    assert out[2:] == ["True True", "[]", "[]"]
 
 
 class _Tiny(pl.LightningModule):
@@ -77,7 +79,7 @@ def _trainer(**kwargs: Any) -> pl.Trainer:
 
 
 def _our_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("ort-ckpt") and t.is_alive()]
+    return [t for t in threading.enumerate() if t.name.startswith("ort-ckpt") and t.is_alive()]  # save, unlink
 
 
 def test_teardown_leaves_no_thread_hook_or_atexit_registration(tmp_path: Path,

@@ -653,13 +653,13 @@ def _dead(m: re.Match[str]) -> bool | None:
 
 
 class _Unlinker:
-    """One daemon thread that deletes files in the order they were queued; what is left at exit is deleted then."""
+    """One daemon thread that deletes files in the order they were queued, running only while files are queued: it
+    starts with the first, ends when the queue is empty, and is registered with ``atexit`` (to delete what is left
+    at exit) only meanwhile, so importing the package starts and registers nothing."""
 
     def __init__(self) -> None:
         self._reset()
-        atexit.register(self.drain)
-        if hasattr(os, "register_at_fork"):  # a forked child gets no thread and a locked queue: start afresh
-            os.register_at_fork(after_in_child=self._reset)
+        self._fork_handled = False
 
     def _reset(self) -> None:
         self._queue: queue.Queue[str] = queue.Queue()
@@ -668,10 +668,14 @@ class _Unlinker:
 
     def put(self, path: str) -> None:
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            self._queue.put(path)
+            if self._thread is None:
+                if not self._fork_handled and hasattr(os, "register_at_fork"):  # a forked child: no thread, fresh
+                    os.register_at_fork(after_in_child=self._reset)
+                    self._fork_handled = True
+                atexit.register(self.drain)
                 self._thread = threading.Thread(target=self._run, name="ort-ckpt-unlink", daemon=True)
                 self._thread.start()
-        self._queue.put(path)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until every queued file is deleted; False when ``timeout`` seconds passed first."""
@@ -691,7 +695,14 @@ class _Unlinker:
 
     def _run(self) -> None:
         while True:
-            self._unlink(self._queue.get())
+            with self._lock:
+                try:
+                    path = self._queue.get_nowait()
+                except queue.Empty:  # nothing left: the thread and its atexit registration end
+                    self._thread = None
+                    atexit.unregister(self.drain)
+                    return
+            self._unlink(path)
 
     def _unlink(self, path: str) -> None:
         with contextlib.suppress(OSError):

@@ -4,10 +4,15 @@ ORT reads each external tensor from ``<checkpoint path>.data`` at the tensor's o
 else ties a file to its ``.data`` (no name, size or hash inside). So when a save finds its frozen tensors unchanged
 since the previous save, its ``.data`` can be a second name (a hard link) of the previous save's ``.data``: the new
 checkpoint's main file points its frozen tensors at the same offsets, and only the main file (trainable parameters,
-optimizer state, changed buffers, metadata) is written. Every file stays whole: deleting or replacing one name of a
-shared ``.data`` leaves the inode to the others. A shared ``.data`` is never opened for writing again; it is made
+optimizer state, changed buffers, metadata) is written. Where the file system offers copy-on-write clones (the
+``FICLONE`` ioctl: XFS, Btrfs), the new ``.data`` is a clone instead: the blocks are shared, the inode is not, so no
+write through another name can reach it. Every file stays whole: deleting or replacing one name of a shared
+``.data`` leaves the inode to the others. A shared ``.data`` is never opened for writing again; it is made
 read-only when written, so that ONNX Runtime's own ``save_checkpoint`` to such a path fails instead of changing the
-file under the other checkpoints (a process running as root is not stopped by the mode: see docs/format.md).
+file under the other checkpoints. A process running as root is not stopped by the mode, nor is ``truncate`` or ``cp``
+over one name: that damage is bounded by the redundancy ``_sharing`` keeps (every frozen byte in two independent
+files) and found by :func:`verify_data` before anything links to the file again; :func:`damage_note` names the
+checkpoints one damaged file takes with it (docs/format.md).
 
 This module says what a save shares (:class:`SharedFrozen`) and what it wrote (:class:`SavedData`); deciding which
 tensors are unchanged is the caller's (``lightning_ort_ckpt._sharing``); planning and streaming are the writer's.
@@ -17,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointSaveError
+from . import _checksums
 
 Identity = tuple[int, int, int, int]
 """A ``.data`` file as ``(st_dev, st_ino, st_size, st_mtime_ns)``: the inode that a link must reach. The size and
@@ -57,13 +64,15 @@ class SharedFrozen:
 
 @dataclass(frozen=True)
 class SavedData:
-    """What a sharing save put in ``.data``: whether it linked, the inode, and each tensor's offset and digest
-    (empty digests when checksums are off)."""
+    """What a sharing save put in ``.data``: whether it linked, the inode, each tensor's offset and digest (empty
+    digests when checksums are off), and each tensor's ``(type code, dims, bytes)`` (what :func:`verify_data` needs
+    to hash it again from the file)."""
 
     linked: bool
     identity: Identity
     offsets: dict[str, int]
     digests: dict[str, int]
+    layout: dict[str, tuple[int, tuple[int, ...], int]] = field(default_factory=dict)
 
 
 class NotShared(CheckpointSaveError):
@@ -82,10 +91,22 @@ def identity(st: os.stat_result) -> Identity:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+_FICLONE = 0x40049409  # Linux's _IOW(0x94, 9, int): make the open file a copy-on-write clone of another
+CAN_CLONE = sys.platform.startswith("linux")
+"""Whether this platform has the clone ioctl (each file system still says whether it supports it)."""
+
+
 def link_into(source: str, expected: Identity, tmp: str) -> bool:
-    """Hard-link ``source`` to the new name ``tmp`` if ``source`` is still the inode ``expected``; False (nothing
-    left behind) where it is not or no link can be made (``EXDEV``: another file system; ``EPERM``: no hard links
-    there)."""
+    """Make ``tmp`` a copy-on-write clone of ``source`` where the file system offers clones, else a hard link to it,
+    if ``source`` is still the inode ``expected``; False (nothing left behind) where it is not or neither can be made
+    (``EXDEV``: another file system; ``EPERM``: no hard links there)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            if identity(os.fstat(fd)) == expected and _clone(fd, tmp):
+                return True
+        finally:
+            os.close(fd)
     try:
         os.link(source, tmp, follow_symlinks=False)
     except (OSError, NotImplementedError):
@@ -96,3 +117,98 @@ def link_into(source: str, expected: Identity, tmp: str) -> bool:
     with contextlib.suppress(OSError):
         os.unlink(tmp)
     return False
+
+
+def _clone(source_fd: int, tmp: str) -> bool:
+    """A durable, read-only clone of the open file at the new name ``tmp``; False (nothing left) where the file
+    system has none (ext4, tmpfs: ``EOPNOTSUPP``; across file systems: ``EXDEV``)."""
+    if not CAN_CLONE:
+        return False
+    import fcntl
+
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+    try:
+        fcntl.ioctl(fd, _FICLONE, source_fd)
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        os.unlink(tmp)
+        return False
+    os.close(fd)
+    return True
+
+
+def verify_data(path: str, offsets: dict[str, int], layout: dict[str, tuple[int, tuple[int, ...], int]],
+                digests: dict[str, int]) -> tuple[Identity | None, list[str]]:
+    """Read the tensors ``offsets`` names back from the ``.data`` file ``path`` and hash them as the writer did:
+    ``(the file's identity, the names whose bytes differ from digests)``; ``(None, [])`` when it cannot be opened.
+    A file shorter than a tensor's end fails that tensor. Reads through one reused 16 MiB buffer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None, []
+    bad = []
+    try:
+        found = identity(os.fstat(fd))
+        buf = bytearray(16 << 20)
+        view = memoryview(buf)
+        for name, offset in sorted(offsets.items(), key=lambda item: item[1]):
+            key = _checksums.param_key(name)
+            if key not in digests or name not in layout:
+                continue
+            dtype, dims, nbytes = layout[name]
+            h = _checksums.hasher(dtype, dims)
+            pos, end = offset, offset + nbytes
+            while pos < end:
+                n = os.preadv(fd, [view[:min(len(buf), end - pos)]], pos) if hasattr(os, "preadv") else \
+                    _pread_into(fd, view[:min(len(buf), end - pos)], pos)
+                if n <= 0:
+                    break
+                h.update(view[:n])
+                pos += n
+            if pos < end or h.intdigest() != digests[key]:
+                bad.append(name)
+    except OSError:
+        return None, []
+    finally:
+        os.close(fd)
+    return found, bad
+
+
+def _pread_into(fd: int, view: memoryview, pos: int) -> int:
+    data = os.pread(fd, len(view), pos)
+    view[:len(data)] = data
+    return len(data)
+
+
+def sharing_checkpoints(path: str, suffix: str = ".ckpt") -> list[str]:
+    """The checkpoints (``*<suffix>`` in the folder of ``path``, ``path`` included) whose ``.data`` is the very
+    file (inode) ``path``'s is: the ones one damaged shared file takes with it. [] when it has no ``.data``."""
+    try:
+        mine = os.stat(path + ".data")
+    except OSError:
+        return []
+    directory = os.path.dirname(os.path.abspath(path))
+    found = []
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.name.endswith(suffix):
+                continue
+            with contextlib.suppress(OSError):
+                st = os.stat(entry.path + ".data")
+                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                    found.append(entry.path)
+    return sorted(found)
+
+
+def damage_note(path: str, error: str) -> str:
+    """For an error of checkpoint ``path`` (its message ``error``) whose damage lies in a ``.data`` file other
+    checkpoints share: a sentence naming the file and every checkpoint it takes with it; "" otherwise."""
+    data = path + ".data"
+    if data not in error:
+        return ""
+    sharing = sharing_checkpoints(path, os.path.splitext(path)[1] or ".ckpt")
+    if len(sharing) < 2:
+        return ""
+    return (f"{data} is a shared .data (hard links): the {len(sharing)} checkpoints sharing it are damaged with it: "
+            f"{', '.join(os.path.basename(p) for p in sharing)}")

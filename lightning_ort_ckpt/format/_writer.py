@@ -146,7 +146,9 @@ def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: S
         _read_only(files.data)
     inode = shared.identity if files.linked else identity(os.fstat(files.data.fileno()))  # type: ignore[union-attr]
     keys = [_checksums.param_key(n) for n in plan.offsets]
-    return SavedData(files.linked, inode, plan.offsets, {k: digests[k] for k in keys if k in digests})
+    layout = {e.name: (int(e.dtype), tuple(e.dims), e.nbytes) for e in tensors.entries
+              if e.name in plan.offsets and e.checksum_key == _checksums.param_key(e.name)}
+    return SavedData(files.linked, inode, plan.offsets, {k: digests[k] for k in keys if k in digests}, layout)
 
 
 def _to_verify(shared: SharedFrozen | None, plan: _Plan, tensors: _Tensors) -> list[int]:

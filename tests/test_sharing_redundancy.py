@@ -1,0 +1,281 @@
+"""Frozen sharing without a single point of failure (issue 24), with real files on disk.
+
+* every frozen byte is in two independent ``.data`` files: consecutive saves alternate between two copies, and no copy
+  takes more than ``LINKS_PER_COPY`` saves;
+* a flipped byte (mtime moved or restored), a truncated file, ``cp`` over one name and ORT's own
+  ``CheckpointState.save_checkpoint`` over a shared path as root cost only the checkpoints linking to that file: the
+  others load, the next save that would link it reads it back, warns and writes a fresh copy, and damage that hides
+  from the file's identity is found within ``VERIFY_EVERY`` saves;
+* where ``link()`` is refused (EPERM, EXDEV) or the store has no hard links, every save is whole and loads;
+* ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads, and ``ort-ckpt verify`` names every
+  checkpoint a damaged shared ``.data`` takes with it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_ort_ckpt import _cli
+from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
+from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt.format import _shared_data as shared
+from lightning_ort_ckpt.format._local_store import LocalStore
+from ort_reference import ort_api
+from test_frozen_sharing import checkpoints, fit, inode
+
+WEIGHT = "weight"  # 2 MiB of frozen float32: shared
+
+
+def frozen_module(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(1024, 512).requires_grad_(False)
+
+
+def save(sh: sharing.FrozenSharing, module: torch.nn.Module, path: Path, tag: str) -> None:
+    """One sharing save of the module's frozen state, as the plugin makes it."""
+    ck = CheckpointContents(frozen=dict(module.state_dict()), properties={"tag": tag})
+    snap = sh.snapshot(ck, str(path), module)
+    assert snap is not None
+    sh.save(ck, str(path), snap, "auto")
+
+
+def data(path: Path) -> Path:
+    return Path(atomic.data_path(str(path)))
+
+
+def loads(path: Path, module: torch.nn.Module) -> bool:
+    try:
+        ck = load_checkpoint(path)
+    except CheckpointError:
+        return False
+    assert torch.equal(ck.frozen[WEIGHT], module.weight)
+    return True
+
+
+def run(tmp_path: Path, n: int, sh: sharing.FrozenSharing | None = None,
+        module: torch.nn.Module | None = None) -> tuple[sharing.FrozenSharing, torch.nn.Module, list[Path]]:
+    sh, module = sh or sharing.FrozenSharing(), module or frozen_module()
+    paths = [tmp_path / f"step={i}.ckpt" for i in range(1, n + 1)]
+    for i, p in enumerate(paths, 1):
+        save(sh, module, p, f"step {i}")
+    atomic.wait_for_cleanup()
+    return sh, module, paths
+
+
+def flip(path: Path, keep_mtime: bool) -> None:
+    """Flip one byte in the middle of ``path`` as a disk or a stray write would (mode 0444 stops no root)."""
+    st = path.stat()
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+    os.chmod(path, 0o444)
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_mtime_ns == st.st_mtime_ns) == keep_mtime
+
+
+# -- 1. two independent copies ------------------------------------------------------------------------------------
+def test_consecutive_saves_alternate_between_two_independent_copies(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sharing, "LINKS_PER_COPY", 3)
+    _, module, paths = run(tmp_path, 12)
+    inodes = [inode(p) for p in paths]
+    assert all(a != b for a, b in zip(inodes, inodes[1:]))  # any two consecutive files: two independent copies
+    for ino in set(inodes):
+        assert inodes.count(ino) <= 1 + 3  # written once, linked at most LINKS_PER_COPY times
+    assert len(set(inodes)) >= 4  # so copies were renewed
+    for p in paths:
+        assert loads(p, module)
+        assert not data(p).stat().st_mode & 0o222
+
+
+# -- 2. damage is found before anything links to it, and costs only its links --------------------------------------
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime-moved", "mtime-restored"])
+def test_a_flipped_byte_costs_only_the_checkpoints_linking_that_file(tmp_path: Path, keep_mtime: bool) -> None:
+    sh, module, paths = run(tmp_path, 4)  # 1 and 3 share copy A, 2 and 4 copy B
+    assert inode(paths[0]) == inode(paths[2]) != inode(paths[1]) == inode(paths[3])
+    flip(data(paths[2]), keep_mtime)
+    assert not loads(paths[0], module) and not loads(paths[2], module)
+    assert loads(paths[1], module) and loads(paths[3], module)  # the other copy: whole
+    with pytest.warns(CheckpointWarning, match=r"shared \.data is damaged .*2 checkpoint\(s\) linking to it cannot "
+                                               r"be loaded: step=1\.ckpt, step=3\.ckpt"):
+        save(sh, module, tmp_path / "step=5.ckpt", "step 5")  # would link A: reads it back first
+    fifth = tmp_path / "step=5.ckpt"
+    assert inode(fifth) not in (inode(paths[0]), inode(paths[1]))  # a fresh copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing links A again, nothing warns again
+        for i in range(6, 10):
+            save(sh, module, tmp_path / f"step={i}.ckpt", f"step {i}")
+    for i in range(4, 10):
+        assert loads(tmp_path / f"step={i}.ckpt", module)
+        assert inode(tmp_path / f"step={i}.ckpt") != inode(paths[0])
+
+
+def test_damage_hidden_from_the_identity_is_found_within_verify_every_saves(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same size and mtime, and a link count changed at the same time (which looks like our own link or deletion):
+    no stat tells; the full read-back every VERIFY_EVERY saves does."""
+    monkeypatch.setattr(sharing, "VERIFY_EVERY", 6)
+    sh, module, paths = run(tmp_path, 4)
+    flip(data(paths[2]), keep_mtime=True)
+    os.link(data(paths[2]), tmp_path / "extra-name")  # the link count moves with the change time
+    found = None
+    for i in range(5, 12):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save(sh, module, tmp_path / f"step={i}.ckpt", f"step {i}")
+        if any(issubclass(w.category, CheckpointWarning) and "damaged" in str(w.message) for w in caught):
+            found = found or i
+    assert found is not None and found - 4 <= 6  # found within VERIFY_EVERY saves of the damage
+    for i in range(found, 12):  # from then on every save holds good bytes
+        assert loads(tmp_path / f"step={i}.ckpt", module)
+    assert loads(paths[1], module) and loads(paths[3], module)
+
+
+@pytest.mark.parametrize("how", ["truncate", "cp"])
+def test_truncate_or_cp_over_one_name(tmp_path: Path, how: str) -> None:
+    sh, module, paths = run(tmp_path, 4)
+    victim = data(paths[2])
+    if how == "truncate":
+        os.truncate(victim, victim.stat().st_size // 2)
+    else:  # cp writes into the existing inode: every name of it sees the other bytes
+        other = tmp_path / "other.bin"
+        other.write_bytes(os.urandom(victim.stat().st_size))
+        os.chmod(victim, 0o644)
+        shutil.copyfile(other, victim)
+    assert inode(paths[0]) == inode(paths[2])  # still one inode: both damaged
+    assert not loads(paths[0], module) and not loads(paths[2], module)
+    with pytest.warns(CheckpointWarning, match="damaged"):
+        save(sh, module, tmp_path / "step=5.ckpt", "step 5")
+    for p in (paths[1], paths[3], tmp_path / "step=5.ckpt"):
+        assert loads(p, module)
+
+
+def test_ort_saving_over_a_shared_path_as_root_costs_only_that_copy(tmp_path: Path) -> None:
+    """Root ignores the mode: ORT rewrites the shared inode in its own layout. The other copy's checkpoints load,
+    the next save does not link the damaged file, and ``ort-ckpt verify`` names every checkpoint it took."""
+    assert os.geteuid() == 0, "the tests run as root: this is the case the mode cannot protect"
+    api = ort_api()
+    sh, module, paths = run(tmp_path, 4)
+    stranger = tmp_path / "stranger" / "s.ckpt"
+    stranger.parent.mkdir()
+    save_checkpoint(CheckpointContents(frozen=dict(frozen_module(7).state_dict())), stranger, external_data="params")
+    state = api.CheckpointState.load_checkpoint(str(stranger))
+    api.CheckpointState.save_checkpoint(state, str(paths[2]))
+    assert inode(paths[0]) == inode(paths[2])  # ORT wrote in place, through the shared inode
+    assert not loads(paths[0], module)
+    assert loads(paths[1], module) and loads(paths[3], module)
+    with pytest.warns(CheckpointWarning, match="damaged"):
+        save(sh, module, tmp_path / "step=5.ckpt", "step 5")
+    assert loads(tmp_path / "step=5.ckpt", module)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(paths[0])
+    note = shared.damage_note(str(paths[0]), str(caught.value))
+    assert "shared .data" in note and "the 2 checkpoints" in note and "step=1.ckpt, step=3.ckpt" in note
+
+
+def test_verify_names_every_checkpoint_a_damaged_shared_data_takes(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _, module, paths = run(tmp_path, 5)  # copy A: 1, 3, 5
+    flip(data(paths[0]), keep_mtime=False)
+    assert _cli.main(["verify", str(paths[4])]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"INVALID {paths[4]}")
+    assert f"{data(paths[4])} is a shared .data (hard links): the 3 checkpoints sharing it are damaged with it: " \
+           "step=1.ckpt, step=3.ckpt, step=5.ckpt" in err
+    assert _cli.main(["verify", str(paths[3])]) == 0  # copy B
+    assert "shared" not in capsys.readouterr().err
+    # damage in the main file only takes that file: no note
+    main = paths[2].read_bytes()
+    paths[2].write_bytes(main[:len(main) // 2])
+    assert _cli.main(["verify", str(paths[2])]) == 1
+    assert "shared .data" not in capsys.readouterr().err
+
+
+# -- 3. where no link can be made ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("errno_", [errno.EPERM, errno.EXDEV])
+def test_link_refused_midway_writes_whole_files_and_earlier_ones_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      errno_: int) -> None:
+    sh, module, paths = run(tmp_path, 3)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno_, os.strerror(errno_))
+
+    monkeypatch.setattr(shared.os, "link", refuse)
+    later = [tmp_path / f"late={i}.ckpt" for i in range(4)]
+    for i, p in enumerate(later):
+        save(sh, module, p, f"late {i}")
+    atomic.wait_for_cleanup()
+    assert len({inode(p) for p in later}) == 4 and all(data(p).stat().st_nlink == 1 for p in later)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary left behind
+    for p in paths + later:
+        assert loads(p, module)
+
+
+def test_a_store_without_hard_links_writes_every_save_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(LocalStore, "links", False)
+    _, _, states = fit(tmp_path, steps=3)
+    files = checkpoints(tmp_path)
+    assert len(files) == 3
+    for p in files:
+        assert not data(p).exists()  # one self-contained file each, as share_frozen=False writes
+        step = int(p.name.split("step=")[1].split(".")[0])
+        assert torch.equal(load_checkpoint(p).frozen["backbone.2.weight"], states.states[step]["backbone.2.weight"])
+
+
+def test_a_clone_where_the_file_system_has_them_else_a_hard_link(tmp_path: Path) -> None:
+    source = tmp_path / "a.data"
+    source.write_bytes(os.urandom(1 << 16))
+    expected = shared.identity(source.stat())
+    assert shared.link_into(str(source), expected, str(tmp_path / "b.data"))
+    b = (tmp_path / "b.data").stat()
+    if b.st_ino == source.stat().st_ino:  # ext4, tmpfs: no clones (FICLONE fails), a hard link instead
+        assert b.st_nlink == 2
+    else:  # XFS, Btrfs: an inode of its own, the same bytes, read-only
+        assert b.st_nlink == 1 and (tmp_path / "b.data").read_bytes() == source.read_bytes()
+        assert not b.st_mode & 0o222
+    assert sorted(os.listdir(tmp_path)) == ["a.data", "b.data"]
+    assert not shared.link_into(str(source), (*expected[:3], expected[3] + 1), str(tmp_path / "c.data"))
+    assert sorted(os.listdir(tmp_path)) == ["a.data", "b.data"]
+
+
+# -- 4. resuming ----------------------------------------------------------------------------------------------------
+class StartStep(pl.Callback):
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.step = trainer.global_step
+
+
+@pytest.mark.parametrize("victim", ["step=6", "last"])
+def test_last_resumes_from_the_newest_checkpoint_that_loads(tmp_path: Path, victim: str) -> None:
+    run_dir = tmp_path / "run"
+    fit(run_dir, steps=6, save_last=True)
+    files = checkpoints(run_dir)
+    victim = next(p.name for p in files if f"{victim}.ckpt" in p.name)
+    assert len({inode(p) for p in files}) == 2
+    flip(data(run_dir / victim), keep_mtime=True)
+    lost = shared.sharing_checkpoints(str(run_dir / victim))
+    assert 1 <= len(lost) < len(files)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(run_dir / victim)
+    if len(lost) > 1:
+        assert f"the {len(lost)} checkpoints sharing it" in shared.damage_note(str(run_dir / victim), str(caught.value))
+    start = StartStep()
+    fit(run_dir, steps=8, ckpt_path="last", save_last=True, extra=(start,))
+    assert start.step == 6  # not 0: the other copy holds step 6 whole
