@@ -33,7 +33,7 @@ def run(code: str) -> str:
 def test_a_plain_trainer_has_exactly_lightnings_callbacks_and_loader(imported: str) -> None:
     """The package is installed (editable, in this venv): a Trainer that does not use it is Lightning's own."""
     out = run(f"""
-        import atexit, sys, threading
+        import atexit, logging, sys, threading  # (logging registers its own atexit hook on import)
         hooks, exits = list(sys.meta_path), atexit._ncallbacks()
         {"import lightning_ort_ckpt" if imported != "nothing" else ""}
         print(atexit._ncallbacks() - exits, [t.name for t in threading.enumerate() if t.name.startswith("ort")])
