@@ -1,4 +1,5 @@
-"""Plans the bytes of a FlatBuffer exactly as flatbuffers' C++ ``FlatBufferBuilder`` lays them out.
+"""FlatBuffers, both ways: :class:`LayoutBuilder` plans the bytes of a FlatBuffer exactly as flatbuffers' C++
+``FlatBufferBuilder`` lays them out, and :class:`Verifier` reads them back with every offset checked.
 
 ORT writes checkpoints with the C++ builder, so matching its layout byte for byte means matching its rules:
 back-to-front building, ``PreAlign`` that skips zero-length data, scalars equal to their default omitted, vtables
@@ -10,7 +11,7 @@ memory without ever assembling it in memory.
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
 MAX_FLATBUFFER_SIZE = 2**31 - 1
 """FlatBuffers offsets are signed 32-bit: no buffer may reach 2 GiB."""
@@ -169,3 +170,102 @@ class LayoutBuilder:
         if self._rev:
             self._done.append(bytes(self._rev[::-1]))
             self._rev = bytearray()
+
+
+# -- reading: the verifier -----------------------------------------------------------------------------------------
+class Table:
+    """A table the verifier has checked: its position, vtable and sizes, and where it is (for messages)."""
+
+    __slots__ = ("pos", "vt", "vt_size", "obj_size", "where")
+
+    def __init__(self, pos: int, vt: int, vt_size: int, obj_size: int, where: str) -> None:
+        self.pos, self.vt, self.vt_size, self.obj_size, self.where = pos, vt, vt_size, obj_size, where
+
+
+class Verifier:
+    """Bounds- and alignment-checked FlatBuffers access (the checks of flatbuffers' Verifier), for the reader: every
+    offset, size and alignment of a buffer read from disk is checked before it is followed, and ``fail`` (the
+    reader's error for its file) says what is wrong where."""
+
+    def __init__(self, buf: Any, fail: Any) -> None:
+        self.buf = buf
+        self.size = len(buf)
+        self.fail = fail
+
+    def _check(self, pos: int, nbytes: int, align: int, what: str) -> None:
+        if pos < 0 or pos + nbytes > self.size:
+            raise self.fail(f"{what} at byte {pos:,} lies outside the file ({self.size:,} bytes): truncated or damaged")
+        if pos % align:
+            raise self.fail(f"{what} at byte {pos:,} is not {align}-byte aligned")
+
+    def u32(self, pos: int, what: str) -> int:
+        self._check(pos, 4, 4, what)
+        return struct.unpack_from("<I", self.buf, pos)[0]
+
+    def table(self, pos: int, where: str) -> Table:
+        self._check(pos, 4, 4, where)
+        vt = pos - struct.unpack_from("<i", self.buf, pos)[0]
+        self._check(vt, 4, 2, f"{where} vtable")
+        vt_size, obj_size = struct.unpack_from("<HH", self.buf, vt)
+        if vt_size < 4 or vt_size % 2:
+            raise self.fail(f"{where} has a malformed vtable (size {vt_size})")
+        self._check(vt, vt_size, 2, f"{where} vtable")
+        if obj_size < 4:
+            raise self.fail(f"{where} has a malformed table (size {obj_size})")
+        self._check(pos, obj_size, 4, where)
+        return Table(pos, vt, vt_size, obj_size, where)
+
+    def _field(self, t: Table, slot: int, nbytes: int) -> int | None:
+        entry = 4 + 2 * slot
+        if entry + 2 > t.vt_size:
+            return None
+        voff = struct.unpack_from("<H", self.buf, t.vt + entry)[0]
+        if voff == 0:
+            return None
+        if voff + nbytes > t.obj_size:
+            raise self.fail(f"{t.where}: field {slot} lies outside its table")
+        return t.pos + voff
+
+    def scalar(self, t: Table, slot: int, fmt: str, default: Any) -> Any:
+        size = struct.calcsize(fmt)
+        pos = self._field(t, slot, size)
+        if pos is None:
+            return default
+        self._check(pos, size, size, f"{t.where} field {slot}")
+        return struct.unpack_from("<" + fmt, self.buf, pos)[0]
+
+    def offset(self, t: Table, slot: int) -> int | None:
+        pos = self._field(t, slot, 4)
+        if pos is None:
+            return None
+        return pos + self.u32(pos, f"{t.where} field {slot}")
+
+    def vector(self, pos: int, elem_size: int, what: str) -> tuple[int, int]:
+        count = self.u32(pos, what)
+        self._check(pos + 4, count * elem_size, min(elem_size, 8) if count else 1, what)
+        return count, pos + 4
+
+    def table_vector(self, t: Table, slot: int, what: str) -> list[int]:
+        pos = self.offset(t, slot)
+        return [] if pos is None else self.table_vector_at(pos, what)
+
+    def table_vector_at(self, pos: int, what: str) -> list[int]:
+        count, start = self.vector(pos, 4, what)
+        rel = struct.unpack_from(f"<{count}I", self.buf, start)
+        return [start + 4 * i + r for i, r in enumerate(rel)]
+
+    def string(self, pos: int, what: str) -> str:
+        length, start = self.vector(pos, 1, what)
+        self._check(start + length, 1, 1, f"{what} terminator")
+        if self.buf[start + length] != 0:
+            raise self.fail(f"{what} is not NUL-terminated")
+        try:
+            return bytes(self.buf[start:start + length]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def string_field(self, t: Table, slot: int, what: str) -> str:
+        pos = self.offset(t, slot)
+        if pos is None:
+            raise self.fail(f"{what} has no {('name' if slot == 0 else 'value')}")
+        return self.string(pos, f"{what} name" if slot == 0 else what)

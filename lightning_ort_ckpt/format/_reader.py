@@ -36,7 +36,7 @@ from . import _atomic, _checksums
 from ._contents import CheckpointContents, OptimizerGroup, PropertyValue
 from ._diskio import _pread_into, check_regular, open_regular, read_range
 from ._dtypes import DataType
-from ._flatbuffers import MAX_FLATBUFFER_SIZE
+from ._flatbuffers import MAX_FLATBUFFER_SIZE, Verifier
 from ._platform import portable_io
 from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot, OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
@@ -322,7 +322,7 @@ class CheckpointReader:
         return CorruptCheckpointError(message, self.path)
 
     def _parse(self) -> None:
-        p = _Parser(self._mm, self._fail)
+        p = Verifier(self._mm, self._fail)
         if bytes(self._mm[4:8]) != FILE_IDENTIFIER:
             kind = _foreign_kind(bytes(self._mm[:16]))
             raise self._fail(f"not an ORT checkpoint (no 'ODTC' file identifier): {kind}" if kind else
@@ -359,7 +359,7 @@ class CheckpointReader:
         self._check_external_data()
         self._read_checksums()
 
-    def _tensor(self, p: _Parser, pos: int, kind: Kind, where: str) -> TensorInfo:
+    def _tensor(self, p: Verifier, pos: int, kind: Kind, where: str) -> TensorInfo:
         t = p.table(pos, where)
         name = p.string_field(t, TensorSlot.NAME, where)
         if not name:
@@ -416,7 +416,7 @@ class CheckpointReader:
                              f"but its data holds {length:,} bytes")
         return TensorInfo(name, kind, dtype, shape, nbytes, "inline", start, doc)
 
-    def _group(self, p: _Parser, pos: int, where: str) -> GroupInfo:
+    def _group(self, p: Verifier, pos: int, where: str) -> GroupInfo:
         g = p.table(pos, where)
         name = p.string_field(g, OptimizerGroupSlot.GROUP_NAME, where)
         where = f"optimizer group {name!r}"
@@ -437,7 +437,7 @@ class CheckpointReader:
         return GroupInfo(name, p.scalar(g, OptimizerGroupSlot.STEP, "q", 0),
                          p.scalar(g, OptimizerGroupSlot.INITIAL_LEARNING_RATE, "f", 0.0), states)
 
-    def _properties(self, p: _Parser, pos: int | None) -> dict[str, PropertyValue]:
+    def _properties(self, p: Verifier, pos: int | None) -> dict[str, PropertyValue]:
         out: dict[str, PropertyValue] = {}
         if pos is None:
             return out
@@ -591,7 +591,7 @@ class CheckpointReader:
             return self._data.fileno()
 
     def _strings(self, info: TensorInfo) -> list[str]:
-        p = _Parser(self._mm, self._fail)
+        p = Verifier(self._mm, self._fail)
         return [p.string(off, f"{info.name} string") for off in info.string_offsets]
 
 
@@ -676,97 +676,3 @@ _VERIFY_CHUNK = 1 << 20  # what verification reads at a time, into one buffer pe
 _PARALLEL_VERIFY_BYTES = 256 << 20  # below this, one thread verifies: starting another costs more than it saves
 _MAX_NDIM = 64  # numpy's limit (torch's is the same or higher)
 _MAX_ARRAY_BYTES = 2**63 - 1  # numpy and torch strides are int64: itemsize x the nonzero dims must fit
-
-
-class _Table:
-    __slots__ = ("pos", "vt", "vt_size", "obj_size", "where")
-
-    def __init__(self, pos: int, vt: int, vt_size: int, obj_size: int, where: str) -> None:
-        self.pos, self.vt, self.vt_size, self.obj_size, self.where = pos, vt, vt_size, obj_size, where
-
-
-class _Parser:
-    """Bounds- and alignment-checked FlatBuffers access (the checks of flatbuffers' Verifier)."""
-
-    def __init__(self, buf: Any, fail: Any) -> None:
-        self.buf = buf
-        self.size = len(buf)
-        self.fail = fail
-
-    def _check(self, pos: int, nbytes: int, align: int, what: str) -> None:
-        if pos < 0 or pos + nbytes > self.size:
-            raise self.fail(f"{what} at byte {pos:,} lies outside the file ({self.size:,} bytes): truncated or damaged")
-        if pos % align:
-            raise self.fail(f"{what} at byte {pos:,} is not {align}-byte aligned")
-
-    def u32(self, pos: int, what: str) -> int:
-        self._check(pos, 4, 4, what)
-        return struct.unpack_from("<I", self.buf, pos)[0]
-
-    def table(self, pos: int, where: str) -> _Table:
-        self._check(pos, 4, 4, where)
-        vt = pos - struct.unpack_from("<i", self.buf, pos)[0]
-        self._check(vt, 4, 2, f"{where} vtable")
-        vt_size, obj_size = struct.unpack_from("<HH", self.buf, vt)
-        if vt_size < 4 or vt_size % 2:
-            raise self.fail(f"{where} has a malformed vtable (size {vt_size})")
-        self._check(vt, vt_size, 2, f"{where} vtable")
-        if obj_size < 4:
-            raise self.fail(f"{where} has a malformed table (size {obj_size})")
-        self._check(pos, obj_size, 4, where)
-        return _Table(pos, vt, vt_size, obj_size, where)
-
-    def _field(self, t: _Table, slot: int, nbytes: int) -> int | None:
-        entry = 4 + 2 * slot
-        if entry + 2 > t.vt_size:
-            return None
-        voff = struct.unpack_from("<H", self.buf, t.vt + entry)[0]
-        if voff == 0:
-            return None
-        if voff + nbytes > t.obj_size:
-            raise self.fail(f"{t.where}: field {slot} lies outside its table")
-        return t.pos + voff
-
-    def scalar(self, t: _Table, slot: int, fmt: str, default: Any) -> Any:
-        size = struct.calcsize(fmt)
-        pos = self._field(t, slot, size)
-        if pos is None:
-            return default
-        self._check(pos, size, size, f"{t.where} field {slot}")
-        return struct.unpack_from("<" + fmt, self.buf, pos)[0]
-
-    def offset(self, t: _Table, slot: int) -> int | None:
-        pos = self._field(t, slot, 4)
-        if pos is None:
-            return None
-        return pos + self.u32(pos, f"{t.where} field {slot}")
-
-    def vector(self, pos: int, elem_size: int, what: str) -> tuple[int, int]:
-        count = self.u32(pos, what)
-        self._check(pos + 4, count * elem_size, min(elem_size, 8) if count else 1, what)
-        return count, pos + 4
-
-    def table_vector(self, t: _Table, slot: int, what: str) -> list[int]:
-        pos = self.offset(t, slot)
-        return [] if pos is None else self.table_vector_at(pos, what)
-
-    def table_vector_at(self, pos: int, what: str) -> list[int]:
-        count, start = self.vector(pos, 4, what)
-        rel = struct.unpack_from(f"<{count}I", self.buf, start)
-        return [start + 4 * i + r for i, r in enumerate(rel)]
-
-    def string(self, pos: int, what: str) -> str:
-        length, start = self.vector(pos, 1, what)
-        self._check(start + length, 1, 1, f"{what} terminator")
-        if self.buf[start + length] != 0:
-            raise self.fail(f"{what} is not NUL-terminated")
-        try:
-            return bytes(self.buf[start:start + length]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not valid UTF-8") from None
-
-    def string_field(self, t: _Table, slot: int, what: str) -> str:
-        pos = self.offset(t, slot)
-        if pos is None:
-            raise self.fail(f"{what} has no {('name' if slot == 0 else 'value')}")
-        return self.string(pos, f"{what} name" if slot == 0 else what)
