@@ -17,22 +17,12 @@ import onnx
 import pytest
 import torch
 
-from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, save_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
-from test_callback import files_after_fit, fit, name
 from test_checksums import run_cli
 from test_escapes_input import no_torch_env
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("good")
-    fit(OrtCheckpoint(dirpath=d), 1)
-    assert files_after_fit(d) == {name(0, 4)}
-    return d / name(0, 4)
 
 
 def assert_one_error_line(out: subprocess.CompletedProcess, *words: str) -> None:

@@ -26,20 +26,11 @@ from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt._translation import MANIFEST
-from test_callback import Net, files_after_fit, fit, name
+from test_callback import Net, fit, name
 from test_checksums import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RNG_KEY = "lightning_ort_ckpt.rng_states"
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    """A sound checkpoint of a real Trainer (epoch 0, step 4), written by the real plugin."""
-    d = tmp_path_factory.mktemp("good")
-    fit(OrtCheckpoint(dirpath=d), 1)
-    assert files_after_fit(d) == {name(0, 4)}
-    return d / name(0, 4)
 
 
 def no_torch_env(tmp_path: Path) -> dict[str, str]:

@@ -19,19 +19,10 @@ import torch
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
-from test_callback import Net, files_after_fit, fit, name
+from test_callback import Net, fit, name
 from test_checksums import run_cli
 
 CASE_SECONDS = 60
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    """A sound checkpoint of a real Trainer (epoch 0, step 4) and an empty directory to resume into."""
-    d = tmp_path_factory.mktemp("good")
-    fit(OrtCheckpoint(dirpath=d), 1)
-    assert files_after_fit(d) == {name(0, 4)}
-    return d / name(0, 4)
 
 
 def resume(tmp_path: Path, ckpt: Any, epochs: int = 2) -> Any:
