@@ -12,8 +12,8 @@ is being written (``memory://``, unknown protocols) each file is written under a
 into place. Reading downloads the file (and its ``.data``) into a temporary folder; an error names the URL, not the
 temporary copy.
 
-S3 gets limits of ours (``S3_LIMITS``) under the user's ``storage_options``, so an endpoint that does not answer fails
-a call in seconds, not minutes: botocore's connect and read timeouts and its retries (``config_kwargs``; the user's
+S3 gets limits of ours (``S3_LIMITS``) under the user's ``storage_options``, so a request to an endpoint that does not answer
+fails within about 15 s (unreachable) or 45 s (silent), not minutes: botocore's connect and read timeouts and retries (``config_kwargs``; the user's
 keys win, a ``retries`` of theirs replaces ours whole), and s3fs's own retry loop around each botocore call (a class
 attribute in s3fs, 5 attempts): the file system is an ``S3FileSystem`` subclass of ours with one. fsspec caches
 file system instances per class and options, so no instance other code holds is changed.
@@ -208,7 +208,7 @@ class _Upload:
 
 
 @functools.cache
-def _bounded_s3() -> type:
+def _bounded_s3() -> Any:
     """s3fs's file system with ``S3FS_ATTEMPTS`` (s3fs has no option for it): a class of its own, so no instance of
     s3fs's is changed (fsspec's cache keys hold the class), in s3fs's cache of instances, so that clearing it (after
     the environment's credentials or endpoint changed) clears ours too."""
