@@ -12,11 +12,12 @@ is being written (``memory://``, unknown protocols) each file is written under a
 into place. Reading downloads the file (and its ``.data``) into a temporary folder; an error names the URL, not the
 temporary copy.
 
-S3 gets limits of ours (``S3_LIMITS``) under the user's ``storage_options``, so a request to an endpoint that does not answer
-fails within about 15 s (unreachable) or 45 s (silent), not minutes: botocore's connect and read timeouts and retries (``config_kwargs``; the user's
-keys win, a ``retries`` of theirs replaces ours whole), and s3fs's own retry loop around each botocore call (a class
-attribute in s3fs, 5 attempts): the file system is an ``S3FileSystem`` subclass of ours with one. fsspec caches
-file system instances per class and options, so no instance other code holds is changed.
+S3 gets limits of ours (``S3_LIMITS``) under the user's ``storage_options``, so that a request to an endpoint that
+does not answer fails within about 15 s (unreachable) or 45 s (silent), not minutes: botocore's connect and read
+timeouts and retries (``config_kwargs``; the user's keys win, a ``retries`` of theirs replaces ours whole), and
+s3fs's own retry loop around each botocore call (a class attribute in s3fs, 5 attempts): the file system is an
+``S3FileSystem`` subclass of ours with one. fsspec caches file system instances per class and options, so no
+instance other code holds is changed.
 """
 
 from __future__ import annotations
