@@ -10,9 +10,10 @@ A save that fails then has nobody left to raise it to, and the program would exi
 gives a library no way to change the exit status at exit but ``os._exit``, which skips every exit handler still to
 run; so the queue's handler runs first of all (:func:`_run_first_at_exit`), and on such a failure reports it on
 stderr, runs every other exit handler (``atexit._run_exitfuncs``: logging, multiprocessing, temporary folders...),
-flushes the standard streams and ends the process with status 1. Skipped are only the interpreter's own finalization (objects
-still alive are not collected; a file the program left open and unflushed loses what it buffered) and C-level exit
-handlers. A program that calls ``wait()`` (or lets ``fit`` end) gets the error as an exception instead and decides.
+flushes the standard streams and ends the process with status 1. Skipped are only the interpreter's own finalization
+(objects still alive are not collected; a file the program left open and unflushed loses what it buffered) and
+C-level exit handlers. A program that calls ``wait()`` (or lets ``fit`` end) gets the error as an exception instead
+and decides.
 """
 
 from __future__ import annotations
