@@ -41,10 +41,11 @@ from ._async_saver import BackgroundQueue
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
-from .errors import CheckpointConfigError, CheckpointSaveError, CheckpointWarning, CorruptCheckpointError
+from .errors import (CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning,
+                     CorruptCheckpointError)
 from .format import CheckpointContents, save_checkpoint
 from .format._atomic import wait_for_cleanup
-from .format._store import StorageOptions, local_path, store_for
+from .format._store import StorageOptions, Store, local_path, store_for
 from .format._writer import ExternalData
 
 _EXTERNAL_DATA = ("auto", "never", "params", "all")
@@ -194,14 +195,16 @@ class OrtCheckpointIOMixin:
 
     # -- the directory ------------------------------------------------------------------------------------------
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Delete a checkpoint and its ``.data`` file (after any save still being written)."""
+        """Delete a checkpoint and its ``.data`` file (after any save still being written). Retention calls this
+        once the file that replaces it is stored: a deletion that fails is a ``CheckpointWarning`` naming the file,
+        which stays, and training goes on."""
         self._raise_background_error()
         path = local_path(path)
         store = store_for(path, self.storage_options)
         if self.async_save:
-            self._run_later(store.remove, path)
+            self._run_later(_remove, store, path)
         else:
-            store.remove(path)
+            _remove(store, path)
 
     def link(self, target: str | os.PathLike[str], linkpath: str | os.PathLike[str]) -> None:
         """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable; on a
@@ -264,6 +267,15 @@ class OrtCheckpointIOMixin:
         """Remember the strategy that uses this plugin, weakly: ``OrtCheckpoint`` and ``BindCheckpointIO`` call
         this in ``setup``, before anything is saved or restored."""
         self._owner = weakref.ref(strategy)
+
+
+def _remove(store: Store, path: str) -> None:
+    """``store.remove``, with a failure as a warning: only a clean-up failed, the newer checkpoint is stored."""
+    try:
+        store.remove(path)
+    except (CheckpointError, OSError) as e:
+        text = str(e) if isinstance(e, CheckpointError) else f"{path}: cannot delete it ({type(e).__name__}: {e})"
+        warnings.warn(f"{text}; the old checkpoint stays there, training goes on", CheckpointWarning, stacklevel=2)
 
 
 def _holds(strategy: Any, state_dict: dict[str, Any]) -> bool:

@@ -11,11 +11,19 @@ bounded: the writer hands the store at most ``BEHIND_BYTES`` per write, and the 
 is being written (``memory://``, unknown protocols) each file is written under a hidden temporary name and moved
 into place. Reading downloads the file (and its ``.data``) into a temporary folder; an error names the URL, not the
 temporary copy.
+
+S3 gets limits of ours (``S3_LIMITS``) under the user's ``storage_options``, so that a request to an endpoint that
+does not answer fails within about 15 s (unreachable) or 45 s (silent), not minutes: botocore's connect and read
+timeouts and retries (``config_kwargs``; the user's keys win, a ``retries`` of theirs replaces ours whole), and
+s3fs's own retry loop around each botocore call (a class attribute in s3fs, 5 attempts): the file system is an
+``S3FileSystem`` subclass of ours with one. fsspec caches file system instances per class and options, so no
+instance other code holds is changed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import posixpath
 import secrets
@@ -31,6 +39,17 @@ _WHOLE_ON_COMPLETE = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 """Stores that publish an upload only once it is completed, and drop it when it is aborted (``discard``)."""
 
 
+_S3_PROTOCOLS = {"s3", "s3a"}
+S3_LIMITS: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 15,
+                             "retries": {"mode": "standard", "total_max_attempts": 3}}
+"""botocore's ``config_kwargs`` for S3 unless ``storage_options`` say otherwise: seconds to connect, seconds a response
+may stay silent (s3fs's own defaults), attempts per call with botocore's capped exponential backoff."""
+S3FS_ATTEMPTS = 1
+"""Attempts of s3fs's own loop around each botocore call (5 in s3fs), which would multiply botocore's: one, so that
+botocore's ``retries`` are the one setting (it retries timeouts, 5xx answers and throttling itself). The cost: a
+download whose body breaks midway is not resumed by s3fs; the read fails with our error and can be run again."""
+
+
 class FsspecStore:
     """Checkpoint files on an fsspec file system, by URL (see ``_store.Store`` for each method's contract)."""
 
@@ -41,8 +60,13 @@ class FsspecStore:
         self.storage_options = storage_options or {}
 
     def _fs(self, url: str) -> tuple[Any, str]:
-        from fsspec.core import url_to_fs
+        from fsspec.core import split_protocol, url_to_fs
 
+        if split_protocol(url)[0] in _S3_PROTOCOLS and "::" not in url:
+            cls = _bounded_s3()
+            config = {**S3_LIMITS, **(self.storage_options.get("config_kwargs") or {})}
+            options = {**cls._get_kwargs_from_urls(url), **self.storage_options, "config_kwargs": config}
+            return cls(**options), cls._strip_protocol(url)
         return url_to_fs(url, **self.storage_options)
 
     @contextlib.contextmanager
@@ -124,10 +148,14 @@ class FsspecStore:
                       if not any(n.startswith(".") for n in r.split("/")))
 
     def remove(self, path: str) -> None:
-        fs, where = self._fs(path)
-        for victim in (where, data_path(where)):
-            if fs.exists(victim):
-                fs.rm_file(victim)
+        url = path
+        try:
+            fs, where = self._fs(path)
+            for url, victim in ((path, where), (data_path(path), data_path(where))):
+                if fs.exists(victim):
+                    fs.rm_file(victim)
+        except Exception as e:  # noqa: BLE001 - each store raises its own types
+            raise CheckpointError(f"cannot delete it ({type(e).__name__}: {e})", url) from e
 
     def link_or_copy(self, target: str, linkpath: str) -> None:
         """A server-side copy: a store has no links (``.data`` first, each object whole or not at all)."""
@@ -178,6 +206,20 @@ class _Upload:
         if self._temporary is not None:
             with contextlib.suppress(Exception):
                 self._fs.rm(self._temporary)
+
+
+@functools.cache
+def _bounded_s3() -> Any:
+    """s3fs's file system with ``S3FS_ATTEMPTS`` (s3fs has no option for it): a class of its own, so no instance of
+    s3fs's is changed (fsspec's cache keys hold the class), in s3fs's cache of instances, so that clearing it (after
+    the environment's credentials or endpoint changed) clears ours too."""
+    from s3fs import S3FileSystem
+
+    class BoundedS3FileSystem(S3FileSystem):  # type: ignore[misc]
+        retries = S3FS_ATTEMPTS
+
+    BoundedS3FileSystem._cache = S3FileSystem._cache
+    return BoundedS3FileSystem
 
 
 def _renamed(error: CheckpointError, local: str, url: str) -> CheckpointError:
