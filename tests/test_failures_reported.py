@@ -1,8 +1,9 @@
 """Failures that must be reported, not lost (issue 25, items 6 to 8).
 
 - An asynchronous save that fails while the program ends (no ``wait()``, no later save, no ``teardown``) is reported
-  on stderr, naming the file and the error, and the process exits with status 1 after every other exit handler ran;
-  one the program was told of (``wait()`` raised) leaves the exit status alone.
+  on stderr, naming the file and the error; every exit handler still runs and the exit status stays the program's
+  (a library could change it only by skipping the interpreter's clean-up: ``_async_saver``'s docstring). One the
+  program was told of (``wait()`` raised) is not reported twice.
 - Retention's deletion of an old checkpoint that fails on S3 (HTTP 500 to ``DELETE``, from a proxy in front of moto)
   is a ``CheckpointWarning`` naming the URL, and training goes on; a save that fails the same way still raises.
 - An S3 endpoint that refuses connections, or accepts them and never answers, fails a save with our error naming the
@@ -68,23 +69,22 @@ _SAVE_AT_EXIT = """
 """
 
 
-def test_an_async_save_failing_at_exit_is_reported_and_the_exit_status_is_1(tmp_path: Any) -> None:
+def test_an_async_save_failing_at_exit_is_reported_on_stderr(tmp_path: Any) -> None:
     (tmp_path / "file").write_text("a regular file where the checkpoint's folder should be")
     path = str(tmp_path / "file" / "last.ckpt")
     result = _run_script(_SAVE_AT_EXIT, path, str(tmp_path / "log.txt"), "no-wait")
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 0, result.stderr
     report = [line for line in result.stderr.splitlines() if line.startswith("lightning-ort-ckpt:")]
-    assert len(report) == 2, result.stderr
+    assert len(report) == 1, result.stderr
     assert "asynchronous checkpoint save failed and was never reported (CheckpointSaveError)" in report[0]
     assert path in report[0] and "save failed" in report[0]
-    assert report[1] == "lightning-ort-ckpt: exiting with status 1"
     # the program's own output and exit handlers (registered before and after the save) all ran, once each
     assert result.stdout.splitlines() == ["the program ended", "a later exit handler ran",
                                           "an earlier exit handler ran"]
     assert (tmp_path / "log.txt").read_text() == "INFO:root:the program's last log line\n"
 
 
-def test_an_async_failure_the_program_was_told_of_leaves_the_exit_status_alone(tmp_path: Any) -> None:
+def test_an_async_failure_the_program_was_told_of_is_not_reported_again(tmp_path: Any) -> None:
     (tmp_path / "file").write_text("a regular file where the checkpoint's folder should be")
     result = _run_script(_SAVE_AT_EXIT, str(tmp_path / "file" / "last.ckpt"), str(tmp_path / "log.txt"), "wait")
     assert result.returncode == 0, result.stderr
