@@ -99,11 +99,12 @@ def trainer_of(module: Any) -> Any:
 
 
 def resumed_inside_epoch(trainer: Any, saved_epoch: Any) -> bool:
-    """Whether this fit resumed inside an epoch of the checkpoint (mid-epoch, or at a validation inside it), rather
-    than at an epoch boundary: the fit loop's own restart stage (Lightning >= 2.6), else whether the epoch is the
-    saved one."""
-    inside = getattr(trainer.fit_loop, "restarted_mid_epoch", None)
-    return bool(inside) if inside is not None else trainer.current_epoch == saved_epoch
+    """Whether this fit resumed inside the epoch the checkpoint was saved in, with that epoch's data iterator drawn
+    before the save in the uninterrupted run: the fit loop restarts mid-epoch (its own restart stage, Lightning >=
+    2.6) in the saved epoch. A file saved on the last batch of an epoch restarts "mid-epoch" in the next one, whose
+    iterator the uninterrupted run drew after the save; so does one saved after fit ended, at no stage at all."""
+    inside = getattr(trainer.fit_loop, "restarted_mid_epoch", True)
+    return bool(inside) and trainer.current_epoch == saved_epoch
 
 
 def restart_train_iterator(trainer: Any) -> None:
