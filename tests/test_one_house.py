@@ -254,3 +254,39 @@ def test_retention_keeps_the_newest_and_the_protected() -> None:
     assert retain([], {"b", "a"}, set(), 1) == (["a", "b"], set())  # oldest name first
     with pytest.raises(ValueError):
         retain(saved, set(), set(), 0)
+
+
+# -- one reader path: "last" reads the chosen file once ---------------------------------------------------------------
+def test_resuming_from_last_reads_the_chosen_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ckpt_path="last" on a store: the file "last" resolution validated (a full, verified read) is the one the
+    resume uses; one download, not two. The same holds for a local directory (one full read)."""
+    from lightning_ort_ckpt import _reading
+    from lightning_ort_ckpt.format._fsspec_store import FsspecStore
+
+    dirpath = f"memory://one-read-{tmp_path.name}"
+    _trainer(callbacks=[OrtCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)]).fit(_Tiny())
+    downloads: list[str] = []
+    reads: list[str] = []
+    real_fetched, real_read = FsspecStore.fetched, _reading.read_contents
+
+    def fetched(self: Any, path: str) -> Any:
+        downloads.append(path)
+        return real_fetched(self, path)
+
+    def read_contents(path: Any, storage_options: Any = None) -> Any:
+        reads.append(str(path))
+        return real_read(path, storage_options)
+
+    monkeypatch.setattr(FsspecStore, "fetched", fetched)
+    monkeypatch.setattr(_reading, "read_contents", read_contents)
+    import lightning_ort_ckpt._callback as callback_module
+    import lightning_ort_ckpt._plugin as plugin_module
+
+    monkeypatch.setattr(callback_module, "read_contents", read_contents)
+    monkeypatch.setattr(plugin_module, "read_contents", read_contents)
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[OrtCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)])
+    trainer.fit(_Tiny(), ckpt_path="last")
+    assert trainer.ckpt_path.endswith("step=4.ckpt") and trainer.global_step == 6
+    assert reads == [trainer.ckpt_path] and downloads == [trainer.ckpt_path]
