@@ -199,8 +199,10 @@ class OrtCheckpointIOMixin:
         path = local_path(path)
         store = store_for(path, self.storage_options)
         if self.async_save:
+            self._run_later(self._sharing.before_remove, path)  # keeps a reserve of its shared .data where needed
             self._run_later(store.remove, path)
         else:
+            self._sharing.before_remove(path)
             store.remove(path)
 
     def link(self, target: str | os.PathLike[str], linkpath: str | os.PathLike[str]) -> None:
