@@ -363,3 +363,54 @@ def test_top1_keeps_the_last_copy_under_a_reserve_name(tmp_path: Path, async_sav
     TwoCopies(run_dir).check(trainer, trainer.lightning_module, 9)
     assert [p.name.split("-")[-1] for p in checkpoints(run_dir)] == ["step=9.ckpt"]
     assert len(reserve_names(run_dir)) == 1  # holding the right bytes (checked above)
+
+
+@pytest.mark.parametrize("victim", ["best", "newest"])
+def test_top2_keeping_the_best_and_the_newest(tmp_path: Path, victim: str) -> None:
+    """Step 1 ranks best, then later steps: the top 2 is step 1 (copy A) and the newest, which alternates between
+    the copies. When the newest links A, no checkpoint names B: it is the reserve until the next save links it."""
+    run_dir = tmp_path / "run"
+    checker = TwoCopies(run_dir)
+    trainer, _, _ = fit(run_dir, steps=6, model=ranked(best_first=True), extra=(checker,), monitor="score",
+                        mode="max", save_top_k=2)
+    checker.check(trainer, trainer.lightning_module, 6)
+    assert checker.reserved == [3, 5]  # and gone again after saves 4 and 6, which link B
+    best, newest = sorted(checkpoints(run_dir), key=lambda p: int(p.name.split("step=")[1].split(".")[0]))
+    assert best.name.endswith("-step=1.ckpt") and newest.name.endswith("-step=6.ckpt")
+    assert inode(best) != inode(newest) and reserve_names(run_dir) == []
+    flip(data(best if victim == "best" else newest), keep_mtime=True)
+    start = StartStep()
+    fit(run_dir, steps=8, ckpt_path="last", model=ranked(best_first=True), extra=(start,), monitor="score",
+        mode="max", save_top_k=2)
+    assert start.step == (6 if victim == "best" else 1)  # the newest checkpoint that loads
+
+
+def test_a_fresh_copy_makes_the_reserve_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-1 retention by hand, a fresh copy after 2 links: the reserve goes when a save links it, or when a save
+    writes a fresh copy (two copies named by checkpoints again); retention then reserves the copy it deletes."""
+    monkeypatch.setattr(sharing, "LINKS_PER_COPY", 2)
+    sh, module = sharing.FrozenSharing(), frozen_module()
+    paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 9)]
+    linked_reserve: list[bool] = []
+    for i, p in enumerate(paths):
+        before = [r.stat().st_ino for r in reserve_names(tmp_path)]
+        save(sh, module, p, f"step {i + 1}")
+        assert reserve_names(tmp_path) == []  # never needed right after a save
+        if before:
+            linked_reserve.append(before == [inode(p)])
+        if i:
+            sh.before_remove(str(paths[i - 1]))
+            atomic.remove(str(paths[i - 1]))
+            atomic.wait_for_cleanup()
+            kept = reserve_names(tmp_path)
+            assert len(kept) == 1 and kept[0].stat().st_ino != inode(p) and loads(p, module)  # the other copy
+            assert kept[0].read_bytes() == data(p).read_bytes()  # the same tensors at the same offsets
+    # saves 3, 4, 5 link the reserved copy; 6 and 7 find no second copy linked fewer than twice: fresh ones
+    assert linked_reserve == [True, True, True, False, False, True]
+    reserve, = reserve_names(tmp_path)
+    assert not atomic._LEFTOVER.match(reserve.name) and not atomic._OLD_LEFTOVER.match(reserve.name)
+    atomic._sweep_stale(str(tmp_path), relist=True)
+    atomic.wait_for_cleanup()
+    assert reserve.exists()  # not a leftover of a dead save
+    assert all(not shared.is_reserve(p) for p in LocalStore().list_files(str(tmp_path), False))
+    assert shared.sharing_checkpoints(str(paths[-1])) == [str(paths[-1])]
