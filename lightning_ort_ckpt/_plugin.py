@@ -202,9 +202,16 @@ class OrtCheckpointIOMixin:
         path = local_path(path)
         store = store_for(path, self.storage_options)
         if self.async_save:
-            self._run_later(_remove, store, path)
+            self._run_later(self._retire, store, path)
         else:
-            _remove(store, path)
+            self._retire(store, path)
+
+    def _retire(self, store: Store, path: str) -> None:
+        """Remove through the store, keeping a reserve of its shared ``.data`` first where that is the last name
+        of an independent copy (``_sharing``)."""
+        if store.links:
+            self._sharing.before_remove(path)
+        _remove(store, path)
 
     def link(self, target: str | os.PathLike[str], linkpath: str | os.PathLike[str]) -> None:
         """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable; on a

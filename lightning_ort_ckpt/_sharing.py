@@ -19,7 +19,9 @@ goes unseen and the file keeps the old bytes.
 
 No single point of failure: the saves of a directory keep two independent ``.data`` files of the frozen tensors and
 alternate between them, and a file is read back against its checksums before it is linked when it may have changed
-(:class:`FrozenSharing`); one damaged file costs only the checkpoints that link to it.
+(:class:`FrozenSharing`); one damaged file costs only the checkpoints that link to it. Retention does not undo that:
+where it deletes the last checkpoint of one copy while kept checkpoints link the other, the copy stays under a hidden
+reserve name until two copies are named by checkpoints again (:meth:`FrozenSharing.before_remove`).
 
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a
@@ -28,7 +30,9 @@ remote (``scheme://``) path is written whole.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import warnings
 import weakref
 from dataclasses import dataclass, field, replace
@@ -40,8 +44,8 @@ import torch
 from .errors import CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, data_path, save_checkpoint
 from .format._checksums import param_key
-from .format._shared_data import (Identity, NotShared, SavedData, SharedFrozen, identity, sharing_checkpoints,
-                                  verify_data)
+from .format._shared_data import (Identity, NotShared, SavedData, SharedFrozen, identity, is_reserve, keep_reserve,
+                                  reserves, sharing_checkpoints, verify_data)
 from .format._writer import ExternalData
 
 MIN_BYTES = 64 << 10
@@ -120,6 +124,12 @@ class FrozenSharing:
     modification time, or the change time without a change of link count: links and deletions are ours), and every
     :data:`VERIFY_EVERY` saves in any case; a copy that fails is never linked again (a warning names the checkpoints
     it took), and the save writes a fresh one.
+
+    Retention may delete every checkpoint of one copy (a metric-ranked top-k keeps the best, whichever copy they
+    link): :meth:`before_remove` then keeps that copy under a reserve name (``format._shared_data.keep_reserve``), and
+    later saves link it like any other name; the reserve goes as soon as the copy is a checkpoint's again or
+    :data:`COPIES` other copies are on disk. Reserves of an earlier run (or kept through a failed save) are adopted by
+    the next save to the directory, and go once :data:`COPIES` copies of this run are on disk.
     """
 
     def __init__(self, trust_parameters: bool = False) -> None:
@@ -156,7 +166,8 @@ class FrozenSharing:
         """Write ``ck`` to ``path`` sharing what a copy of the directory holds unchanged, and remember what this save
         holds. ``kept``: frozen parameters of ``ck`` that are the live ones, not staged copies (an asynchronous
         save); those this save writes after all are copied first, and must not have changed since the call."""
-        copies = self._copies.pop(snap.directory, [])  # a failed save leaves none: the next ones start fresh
+        # a failed save leaves none: the next ones start fresh (adopting the reserves it left)
+        copies = self._copies.pop(snap.directory, None) or _orphans(snap.directory)
         count = self._saves[snap.directory] = self._saves.get(snap.directory, 0) + 1
         chosen, spec = self._spec(ck, snap, copies, count, path)
         copied: set[str] = set()
@@ -198,6 +209,7 @@ class FrozenSharing:
             source = _checked(chosen, count, path)
             if source is None:
                 copies.remove(chosen)
+                _drop_reserves(chosen)  # damaged: its reserve holds the same bad bytes
                 continue
             keys = [param_key(n) for n in same]
             trusted = frozenset(snap.params & same.keys()) if self.trust_parameters else frozenset()
@@ -215,9 +227,7 @@ class FrozenSharing:
             c.names.pop(data, None)
         key = _key(data)
         if saved.linked and chosen is not None and key is not None:
-            for name, (ident, _, _) in list(chosen.names.items()):  # one more link: their ctime and count moved
-                if ident[:2] == key[0][:2]:
-                    chosen.names[name] = key
+            _restat(chosen)  # one more link: their ctime and count moved
             chosen.names[data] = key
             chosen.links += 1
             chosen.used = count
@@ -226,15 +236,40 @@ class FrozenSharing:
             copies.append(_Copy({data: key}, saved.offsets, saved.digests, saved.layout,
                                 {n: snap.live[n] for n in saved.offsets if n in snap.live}, saved.identity[2],
                                 used=count, verified=count))
-        return [c for c in copies if c.names][-_REMEMBERED:]
+        copies = _keep_two([c for c in copies if c.names])
+        for c in copies[:-_REMEMBERED]:
+            _drop_reserves(c)
+        return copies[-_REMEMBERED:]
+
+    def before_remove(self, path: str) -> None:
+        """Before checkpoint ``path`` is deleted (on the thread that deletes it, just before): where its ``.data`` is
+        the last name of a copy while a kept checkpoint links another and fewer than :data:`COPIES` other copies
+        remain, keep that copy under a reserve name; drop the reserves no longer needed. The last name of a
+        ``.data`` this plugin did not write (an earlier run's, before a resume) is kept the same way, until
+        :data:`COPIES` copies of this run are on disk."""
+        path = os.path.abspath(path)
+        directory, data = os.path.dirname(path), data_path(path)
+        copies = self._copies.get(directory)
+        if not copies:
+            return
+        if not any(data in c.names for c in copies):
+            key, st = _key(data), _lstat(data)
+            if key is None or st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                return
+            copies.insert(0, _Copy({data: key}, {}, {}, {}, {}, st.st_size, used=0, verified=0))
+        self._copies[directory] = _keep_two(copies, gone=data)
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
 
 
 def _key(data: str) -> _Key | None:
-    try:
-        st = os.stat(data, follow_symlinks=False)
-    except OSError:
-        return None
-    return identity(st), st.st_ctime_ns, st.st_nlink
+    st = _lstat(data)
+    return None if st is None else (identity(st), st.st_ctime_ns, st.st_nlink)
 
 
 def _reachable(copy: _Copy) -> bool:
@@ -244,6 +279,61 @@ def _reachable(copy: _Copy) -> bool:
         if now is None or now[0][:2] != ident[:2]:
             del copy.names[name]
     return bool(copy.names)
+
+
+def _restat(copy: _Copy) -> None:
+    """Record the names of ``copy`` again after our own link or deletion moved their change time and link count
+    (only those still the very file: a name whose size or modification time moved stays as it was, and is read
+    back before it is linked)."""
+    for name, (ident, _, _) in list(copy.names.items()):
+        now = _key(name)
+        if now is not None and now[0] == ident:
+            copy.names[name] = now
+
+
+def _keep_two(copies: list[_Copy], gone: str | None = None) -> list[_Copy]:
+    """The copies still on disk, a reserve name kept for each that no checkpoint names any more (``gone`` is about
+    to be deleted) while a checkpoint links another and fewer than :data:`COPIES` others remain, and dropped from the
+    rest. The oldest are looked at first: where one must go, the newer copies stay."""
+    copies = [c for c in copies if _reachable(c)]
+    for c in copies:
+        named = any(n != gone and not is_reserve(n) for n in c.names)
+        others = [o for o in copies if o is not c and o.offsets and any(n != gone for n in o.names)]
+        linked = any(n != gone and not is_reserve(n) for o in others for n in o.names)
+        held = [n for n in c.names if is_reserve(n)]
+        # an adopted reserve (no offsets: an earlier run's) is kept until COPIES copies of this run are on disk
+        needed = not named and len(others) < COPIES and (linked or not c.offsets)
+        if needed and not held:
+            source = next(n for n in c.names)
+            name = keep_reserve(source, c.names[source][0])
+            if name is not None:
+                c.names[name] = c.names[source]
+                _restat(c)
+        elif held and not needed:
+            _drop_reserves(c)
+    return [c for c in copies if c.names]
+
+
+def _drop_reserves(copy: _Copy) -> None:
+    """Delete the reserve names of ``copy`` (the inode goes with the last)."""
+    held = [n for n in copy.names if is_reserve(n)]
+    for name in held:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+        del copy.names[name]
+    if held:
+        _restat(copy)
+
+
+def _orphans(directory: str) -> list[_Copy]:
+    """The reserves in ``directory`` no copy of this plugin tracks (an earlier run's, or kept through a failed save),
+    as copies no save links: kept until :data:`COPIES` copies of this run are on disk."""
+    found = []
+    for name in reserves(directory):
+        key = _key(name)
+        if key is not None:
+            found.append(_Copy({name: key}, {}, {}, {}, {}, key[0][2], used=0, verified=0))
+    return found
 
 
 def _checked(copy: _Copy, count: int, path: str) -> str | None:

@@ -8,7 +8,10 @@
   from the file's identity is found within ``VERIFY_EVERY`` saves;
 * where ``link()`` is refused (EPERM, EXDEV) or the store has no hard links, every save is whole and loads;
 * ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads, and ``ort-ckpt verify`` names every
-  checkpoint a damaged shared ``.data`` takes with it.
+  checkpoint a damaged shared ``.data`` takes with it;
+* retention that deletes every checkpoint of one copy (a metric-ranked top-k) leaves that copy under a hidden,
+  read-only reserve name while kept checkpoints link the other, and drops it once two copies are named by checkpoints
+  again: among the files on disk every frozen byte stays in two inodes after every save, sync and async.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared
 from lightning_ort_ckpt.format._local_store import LocalStore
 from ort_reference import ort_api
-from test_frozen_sharing import checkpoints, fit, inode
+from test_frozen_sharing import ENTRY, SHARED, checkpoints, fit, inode
 
 WEIGHT = "weight"  # 2 MiB of frozen float32: shared
 
@@ -279,3 +282,135 @@ def test_last_resumes_from_the_newest_checkpoint_that_loads(tmp_path: Path, vict
     start = StartStep()
     fit(run_dir, steps=8, ckpt_path="last", save_last=True, extra=(start,))
     assert start.step == 6  # not 0: the other copy holds step 6 whole
+
+
+# -- 5. retention keeps a reserve of the last copy ----------------------------------------------------------------
+class Ranked(type(ENTRY.build(0))):  # type: ignore[misc]
+    """The zoo's frozen backbone, logging a score by step: ``best_first`` ranks step 1 above all, later steps above
+    earlier ones (a top-2 keeps step 1 and the newest), else later steps rank higher (a top-1 keeps the newest)."""
+
+    best_first = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        step = self.global_step + 1  # the step the save after this batch is named after
+        self.log("score", 1000.0 if self.best_first and step == 1 else float(step))
+        return loss
+
+
+def ranked(best_first: bool) -> Ranked:
+    model = ENTRY.build(0)
+    model.__class__ = type("RankedNow", (Ranked,), {"best_first": best_first})
+    return model
+
+
+def reserve_names(directory: Path) -> list[Path]:
+    return sorted(directory / n for n in os.listdir(directory) if shared.is_reserve(n))
+
+
+class TwoCopies(pl.Callback):
+    """After every save (checked before the next one, and once more at the end: ``check``): among the checkpoints
+    and reserves on disk, the frozen weight exists in at least two inodes; a reserve holds exactly its bytes, is
+    read-only, and exists only for a copy no checkpoint names, one at most."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.reserved: list[int] = []  # the save count at each check where a reserve was on disk
+        self.checks = 0
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if trainer.global_step >= 3:  # the save of this step comes after this hook: two saves so far
+            self.check(trainer, module, trainer.global_step - 1)
+
+    def check(self, trainer: Any, module: Any, saves: int) -> None:
+        trainer.strategy.checkpoint_io.wait()  # an asynchronous save and its deletions are done
+        files, kept = checkpoints(self.directory), reserve_names(self.directory)
+        named = {inode(p) for p in files}
+        reserved = {r.stat().st_ino for r in kept}
+        assert len(named | reserved) >= 2, (files, kept)
+        assert not named & reserved and len(kept) <= 1  # a reserve only for a copy no checkpoint names
+        weight = module.state_dict()[SHARED].detach().numpy().tobytes()
+        for r in kept:
+            assert r.read_bytes() == weight and not r.stat().st_mode & 0o222
+        self.checks += 1
+        if kept:
+            self.reserved.append(saves)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_top1_keeps_the_last_copy_under_a_reserve_name(tmp_path: Path, async_save: bool) -> None:
+    """A top-1 by a rising score deletes the previous checkpoint at every save, which always holds the other copy:
+    its .data stays as the reserve, the next save links it (and drops that name), and so on."""
+    run_dir = tmp_path / "run"
+    checker = TwoCopies(run_dir)
+    trainer, _, _ = fit(run_dir, steps=6, model=ranked(best_first=False), extra=(checker,), monitor="score",
+                        mode="max", save_top_k=1, async_save=async_save)
+    checker.check(trainer, trainer.lightning_module, 6)
+    files = checkpoints(run_dir)
+    assert len(files) == 1 and files[0].name.endswith("-step=6.ckpt")  # ranking deleted every other one
+    assert checker.checks == 5 and checker.reserved == [2, 3, 4, 5, 6]  # after every save from the second on
+    assert not [n for n in os.listdir(run_dir) if n.endswith((".tmp", ".old"))]  # no leftover besides
+    # damage the reserve: the newest still loads and "last" resumes from it
+    reserve, = reserve_names(run_dir)
+    flip(reserve, keep_mtime=False)
+    assert torch.equal(load_checkpoint(files[0]).frozen[SHARED], trainer.lightning_module.state_dict()[SHARED])
+    start = StartStep()
+    trainer, _, _ = fit(run_dir, steps=9, ckpt_path="last", model=ranked(best_first=False), extra=(start,),
+                        monitor="score", mode="max", save_top_k=1, async_save=async_save)
+    assert start.step == 6
+    # the resumed run kept the earlier run's reserve (and the .data of step 6) until two copies of its own were on
+    # disk, then went on as before: the damaged reserve is gone
+    TwoCopies(run_dir).check(trainer, trainer.lightning_module, 9)
+    assert [p.name.split("-")[-1] for p in checkpoints(run_dir)] == ["step=9.ckpt"]
+    assert len(reserve_names(run_dir)) == 1  # holding the right bytes (checked above)
+
+
+@pytest.mark.parametrize("victim", ["best", "newest"])
+def test_top2_keeping_the_best_and_the_newest(tmp_path: Path, victim: str) -> None:
+    """Step 1 ranks best, then later steps: the top 2 is step 1 (copy A) and the newest, which alternates between
+    the copies. When the newest links A, no checkpoint names B: it is the reserve until the next save links it."""
+    run_dir = tmp_path / "run"
+    checker = TwoCopies(run_dir)
+    trainer, _, _ = fit(run_dir, steps=6, model=ranked(best_first=True), extra=(checker,), monitor="score",
+                        mode="max", save_top_k=2)
+    checker.check(trainer, trainer.lightning_module, 6)
+    assert checker.reserved == [3, 5]  # and gone again after saves 4 and 6, which link B
+    best, newest = sorted(checkpoints(run_dir), key=lambda p: int(p.name.split("step=")[1].split(".")[0]))
+    assert best.name.endswith("-step=1.ckpt") and newest.name.endswith("-step=6.ckpt")
+    assert inode(best) != inode(newest) and reserve_names(run_dir) == []
+    flip(data(best if victim == "best" else newest), keep_mtime=True)
+    start = StartStep()
+    fit(run_dir, steps=8, ckpt_path="last", model=ranked(best_first=True), extra=(start,), monitor="score",
+        mode="max", save_top_k=2)
+    assert start.step == (6 if victim == "best" else 1)  # the newest checkpoint that loads
+
+
+def test_a_fresh_copy_makes_the_reserve_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-1 retention by hand, a fresh copy after 2 links: the reserve goes when a save links it, or when a save
+    writes a fresh copy (two copies named by checkpoints again); retention then reserves the copy it deletes."""
+    monkeypatch.setattr(sharing, "LINKS_PER_COPY", 2)
+    sh, module = sharing.FrozenSharing(), frozen_module()
+    paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 9)]
+    linked_reserve: list[bool] = []
+    for i, p in enumerate(paths):
+        before = [r.stat().st_ino for r in reserve_names(tmp_path)]
+        save(sh, module, p, f"step {i + 1}")
+        assert reserve_names(tmp_path) == []  # never needed right after a save
+        if before:
+            linked_reserve.append(before == [inode(p)])
+        if i:
+            sh.before_remove(str(paths[i - 1]))
+            atomic.remove(str(paths[i - 1]))
+            atomic.wait_for_cleanup()
+            kept = reserve_names(tmp_path)
+            assert len(kept) == 1 and kept[0].stat().st_ino != inode(p) and loads(p, module)  # the other copy
+            assert kept[0].read_bytes() == data(p).read_bytes()  # the same tensors at the same offsets
+    # saves 3, 4, 5 link the reserved copy; 6 and 7 find no second copy linked fewer than twice: fresh ones
+    assert linked_reserve == [True, True, True, False, False, True]
+    reserve, = reserve_names(tmp_path)
+    assert not atomic._LEFTOVER.match(reserve.name) and not atomic._OLD_LEFTOVER.match(reserve.name)
+    atomic._sweep_stale(str(tmp_path), relist=True)
+    atomic.wait_for_cleanup()
+    assert reserve.exists()  # not a leftover of a dead save
+    assert all(not shared.is_reserve(p) for p in LocalStore().list_files(str(tmp_path), False))
+    assert shared.sharing_checkpoints(str(paths[-1])) == [str(paths[-1])]

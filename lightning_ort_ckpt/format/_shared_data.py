@@ -11,7 +11,8 @@ write through another name can reach it. Every file stays whole: deleting or rep
 read-only when written, so that ONNX Runtime's own ``save_checkpoint`` to such a path fails instead of changing the
 file under the other checkpoints. A process running as root is not stopped by the mode, nor is ``truncate`` or ``cp``
 over one name: that damage is bounded by the redundancy ``_sharing`` keeps (every frozen byte in two independent
-files) and found by :func:`verify_data` before anything links to the file again; :func:`damage_note` names the
+files, one of them under a hidden reserve name (:func:`keep_reserve`) where retention deleted every checkpoint of it)
+and found by :func:`verify_data` before anything links to the file again; :func:`damage_note` names the
 checkpoints one damaged file takes with it (docs/format.md).
 
 This module says what a save shares (:class:`SharedFrozen`) and what it wrote (:class:`SavedData`); deciding which
@@ -179,6 +180,47 @@ def _pread_into(fd: int, view: memoryview, pos: int) -> int:
     data = os.pread(fd, len(view), pos)
     view[:len(data)] = data
     return len(data)
+
+
+RESERVE_PREFIX = ".ort_ckpt.reserve-"
+"""How a reserve's name starts: a hidden second name (a hard link, in the same folder) that keeps a shared ``.data``
+whose last checkpoint retention deletes while other checkpoints link another copy (``lightning_ort_ckpt._sharing``).
+It ends in neither ``.tmp`` nor ``.old``, so the sweep of leftovers leaves it alone; hidden and not ``*.ckpt``, so no
+search for checkpoints (``ckpt_path="last"``, ``sharing_checkpoints``) finds it."""
+
+
+def is_reserve(path: str) -> bool:
+    """Whether ``path`` is a reserve name (:data:`RESERVE_PREFIX`)."""
+    return os.path.basename(path).startswith(RESERVE_PREFIX)
+
+
+def keep_reserve(data: str, expected: Identity) -> str | None:
+    """A reserve name for the ``.data`` file ``data`` if it is still the inode ``expected``: a hard link made beside it
+    (never opened, so never written through), or the one it has already; None where no link can be made."""
+    try:
+        st = os.stat(data, follow_symlinks=False)
+    except OSError:
+        return None
+    if identity(st) != expected:
+        return None
+    name = os.path.join(os.path.dirname(data), f"{RESERVE_PREFIX}{st.st_dev:x}-{st.st_ino}.data")
+    try:
+        os.link(data, name, follow_symlinks=False)
+    except FileExistsError:  # this inode has one already (the name holds the inode: no other file has its number)
+        pass
+    except (OSError, NotImplementedError):
+        return None
+    try:
+        return name if identity(os.stat(name, follow_symlinks=False)) == expected else None
+    except OSError:
+        return None
+
+
+def reserves(directory: str) -> list[str]:
+    """The reserve names in ``directory`` (those of an earlier run included)."""
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        return sorted(e.path for e in entries if e.name.startswith(RESERVE_PREFIX))
+    return []
 
 
 def sharing_checkpoints(path: str, suffix: str = ".ckpt") -> list[str]:
