@@ -104,9 +104,11 @@ def watch():  # how many saves wait in the plugin's queue (not yet being written
             queued[0] = max(queued[0], sum(1 for job in jobs if isinstance(job, tuple) and getattr(job[0], "__name__", "") == "_write"))
         done.wait(0.002)
 done = threading.Event()
-threading.Thread(target=watch, daemon=True).start()
+watcher = threading.Thread(target=watch, daemon=True)
+watcher.start()
 t.fit_recording(dirpath, async_save)
 done.set()
+watcher.join()  # no thread left running while the interpreter finalizes
 print(json.dumps({{"vmhwm_kb": int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]),
                   "queued": queued[0]}}))
 """

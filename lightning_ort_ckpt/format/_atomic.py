@@ -692,14 +692,15 @@ class _Unlinker:
         return True
 
     def drain(self) -> None:
-        """Delete what is still queued on the calling thread too, and wait for the one being deleted."""
+        """Delete what is still queued on the calling thread too, and wait for the one being deleted and for the
+        thread to end (no thread of ours runs while the interpreter finalizes)."""
         while True:
             try:
                 path = self._queue.get_nowait()
             except queue.Empty:
                 break
             self._unlink(path)
-        self._queue.join()
+        self.join()
 
     def _run(self) -> None:
         while True:
