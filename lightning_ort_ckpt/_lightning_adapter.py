@@ -40,7 +40,7 @@ from typing import Any
 
 from .format._schema import FILE_IDENTIFIER
 
-# (module, attribute) of Lightning's torch loader, per copy of Lightning: what install_ort_loader wraps
+# (module, attribute) of Lightning's torch loader, per copy of Lightning: what ORT_LOADING wraps
 LOADER_BINDINGS = (
     ("pytorch_lightning.core.saving", "pl_load"),
     ("lightning_fabric.plugins.io.torch_io", "pl_load"),

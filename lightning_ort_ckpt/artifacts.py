@@ -3,7 +3,7 @@
 :func:`make_training_artifacts` exports your module, runs ORT's ``generate_artifacts`` (training, eval and AdamW
 optimizer models) and writes the checkpoint as the starting state, with parameter names equal to the ``state_dict``
 keys. The trainable set is the checkpoint's (for an ORT file: its ``requires_grad`` parameters, which
-``OrtCheckpointIO`` chose as those the first optimizer trains; see ``translation.lightning.trainable_set``), so
+``OrtCheckpointIO`` chose as those the first optimizer trains; see ``_translation.lightning_dict.trainable_set``), so
 ORT's ``Optimizer`` finds state for each. What ORT 1.19.2 needs handled:
 
 - The training model is exported in training mode, so it keeps Dropout and BatchNorm's batch statistics

@@ -8,7 +8,7 @@ tensor in the file and returns a JSON reference to it. Decoding reverses this wi
 JSON values stand for themselves, with these exceptions, each a one-key object whose key is a tag:
 
 ==================  ================================================================================
-``{"__tensor__": r}``   a torch tensor; ``r`` is the sink's reference (see ``translation.lightning``)
+``{"__tensor__": r}``   a torch tensor; ``r`` is the sink's reference (see ``_translation.lightning_dict``)
 ``{"__ndarray__": r}``  a numpy array stored as a tensor
 ``{"__float__": s}``    a float JSON cannot spell: ``"nan"``, ``"inf"``, ``"-inf"`` (finite floats are JSON
                         numbers with Python's shortest round-trip repr, so float64 values come back exactly)
