@@ -504,8 +504,9 @@ def _absolute(path: str) -> str:
 
 def _resumable(path: str, storage_options: StorageOptions | None) -> CheckpointContents | dict[str, Any]:
     """What ``path`` holds, read once in full (every tensor checked against its checksum, the Lightning metadata
-    decoded), if a fit can resume from it; else our error saying why. A torch file must load with
-    ``weights_only=True``. Files ORT wrote alone are taken as they are (the plugin builds their optimizer state)."""
+    decoded: the plugin's load takes the decoded dict as it is), if a fit can resume from it; else our error saying
+    why. A torch file must load with ``weights_only=True``. A file ORT wrote alone is held as its contents: the
+    plugin builds its optimizer state from them and the live optimizers when it loads it."""
     with warnings.catch_warnings():  # what the resume itself will say, said once
         warnings.simplefilter("ignore")
         if not is_ort_checkpoint(path, storage_options):
@@ -513,11 +514,12 @@ def _resumable(path: str, storage_options: StorageOptions | None) -> CheckpointC
 
             with store_for(path, storage_options).fetched(path) as local:
                 found: Any = load_torch_file(torch.load, local, "cpu", True)
-            checkpoint = found
         else:
             found = read_contents(path, storage_options)
-            checkpoint = to_lightning(found, path) if MANIFEST in found.properties else {"optimizer_states": []}
-    if not isinstance(checkpoint, dict) or "optimizer_states" not in checkpoint:
+            if MANIFEST not in found.properties:
+                return found
+            found = to_lightning(found, path)
+    if not isinstance(found, dict) or "optimizer_states" not in found:
         raise CheckpointError("weights only", path)
     return found
 
