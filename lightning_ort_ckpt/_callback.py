@@ -58,8 +58,6 @@ from .format._shared_data import damage_note
 from .format._store import StorageOptions, Store, is_remote, local_path, store_for, strip_protocol
 from .format._writer import ExternalData
 
-_IO_SETTINGS = ("external_data", "ort_compatible", "async_save", "share_frozen", "storage_options")
-
 
 class OrtCheckpointMixin:
     """The behaviour of ``OrtCheckpoint``, shared by the ``pytorch_lightning`` and ``lightning.pytorch`` classes."""

@@ -49,6 +49,7 @@ from .format._store import StorageOptions, Store, local_path, store_for
 from .format._writer import ExternalData
 
 _EXTERNAL_DATA = ("auto", "never", "params", "all")
+_SETTINGS = ("external_data", "ort_compatible", "async_save", "share_frozen", "storage_options")
 
 
 class OrtCheckpointIOMixin:
@@ -102,8 +103,7 @@ class OrtCheckpointIOMixin:
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only: no thread, buffers or owner."""
-        return {k: getattr(self, k) for k in
-                ("external_data", "ort_compatible", "async_save", "share_frozen", "storage_options")}
+        return {k: getattr(self, k) for k in _SETTINGS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
