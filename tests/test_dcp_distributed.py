@@ -174,5 +174,22 @@ def test_load_at_world_size_1_has_the_same_values(saved: tuple[Path, Path]) -> N
         assert got.numpy().tobytes() == v.tobytes(), k
 
 
+
+def test_consolidation_assembles_the_shards(saved: tuple[Path, Path]) -> None:
+    from lightning_ort_ckpt import consolidate, load_checkpoint
+
+    path, out = saved
+    consolidate(path, out / "one.ckpt")
+    got = load_checkpoint(out / "one.ckpt")
+    with np.load(out / "full.npz") as f:
+        for k in f.files:
+            if k.startswith("m/"):
+                assert got.trainable[k[2:]].numpy().tobytes() == f[k].tobytes(), k
+            elif not k.endswith("/step"):
+                param, name = k[2:].rsplit("/", 1)
+                ort_name = {"exp_avg": "momentum0", "exp_avg_sq": "momentum1"}[name]
+                assert got.optimizer_groups["group0"].states[param][ort_name].numpy().tobytes() == f[k].tobytes()
+
+
 if __name__ == "__main__":
     _worker(*sys.argv[1:4])
