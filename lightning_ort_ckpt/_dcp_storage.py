@@ -324,7 +324,10 @@ class ShardFiles:
         self._open: dict[str, CheckpointReader] = {}
         self._stack = contextlib.ExitStack()
 
-    def chunk(self, file: str, name: str, dtype: torch.dtype, sizes: tuple[int, ...]) -> torch.Tensor:
+    def chunk(self, file: str, name: str, dtype: torch.dtype, sizes: tuple[int, ...],
+              into: torch.Tensor | None = None) -> torch.Tensor:
+        """The saved chunk, read into memory of its own, or straight into ``into`` (a contiguous CPU tensor of its
+        type and shape: a load's target)."""
         full = join(self.path, file)
         reader = self._reader(file)
         info = reader.frozen.get(name)
@@ -335,6 +338,9 @@ class ShardFiles:
             raise CorruptCheckpointError(f"tensor {name!r} is {info.dtype.name} {list(info.shape)}, but "
                                          f"{METADATA_NAME} says {dtype} {list(sizes)}", full)
         try:
+            if into is not None:
+                reader.read_bytes(info, into.reshape(-1).view(torch.uint8).numpy())
+                return into
             return _as_torch(reader.read_bytes(info), info)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(str(e).removeprefix(f"{reader.path}: "), full) from None
@@ -420,10 +426,14 @@ class OrtStorageReader(StorageReader):
                 loc = storage[item.storage_index]
                 md = self.metadata.state_dict_metadata[item.storage_index.fqn]
                 sizes = next(c.sizes for c in md.chunks if c.offsets == item.storage_index.offset)
-                stored = files.chunk(loc.file, loc.name, md.properties.dtype, tuple(sizes))
-                part = stored[tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))]
                 target = planner.resolve_tensor(item).detach()
-                target.copy_(part)
+                if (tuple(item.lengths) == tuple(sizes) and not any(item.storage_offsets) and target.numel()
+                        and target.device.type == "cpu" and target.is_contiguous()
+                        and target.dtype == md.properties.dtype):  # the whole chunk: read into the target itself
+                    files.chunk(loc.file, loc.name, md.properties.dtype, tuple(sizes), into=target)
+                else:
+                    stored = files.chunk(loc.file, loc.name, md.properties.dtype, tuple(sizes))
+                    target.copy_(stored[tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))])
                 planner.commit_tensor(item, target)
         done: Future[None] = Future()
         done.set_result(None)
