@@ -9,7 +9,8 @@ it is not, naming what is wrong; ``ort-ckpt export FILE --module pkg.mod:Class -
 deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra). Failures print one ``error:
 ...`` line, never a traceback, and exit 1. ``FILE`` may be an fsspec URL (``s3://...``),
 read with the store's default configuration (for S3: the ``AWS_*`` environment variables, ``AWS_ENDPOINT_URL``
-included, or ``FSSPEC_S3_*``).
+included, or ``FSSPEC_S3_*``). ``FILE`` may also be a sharded checkpoint directory (it is consolidated into a
+temporary file first, which needs torch); ``ort-ckpt consolidate DIR OUT.ckpt`` writes one as one ORT file.
 """
 
 from __future__ import annotations
