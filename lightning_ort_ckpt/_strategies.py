@@ -39,6 +39,8 @@ Plugin = Any
 
 SUPPORTED = ("DDPStrategy (and every strategy that saves through the CheckpointIO), ModelParallelStrategy, "
              "FSDPStrategy(state_dict_type='sharded' or 'full')")
+RANKS_RNG_KEY = "lightning_ort_ckpt.rng_states_by_rank"
+"""Where a full-state file keeps every rank's random states (rank 0 writes it; each rank restores its own)."""
 WORLD_SIZE_KEY = "lightning_ort_ckpt.world_size"
 """The world size of a sharded save (a value in the checkpoint): which ranks' random states it holds."""
 
@@ -68,8 +70,9 @@ def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
     def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if kind(strategy) == "sharded":
             save_sharded_checkpoint(strategy, plugin, checkpoint, filepath, storage_options)
-        else:  # Lightning's own: rank 0 writes the gathered state through the plugin
-            original(checkpoint, filepath, storage_options=storage_options)
+        else:  # Lightning's own: rank 0 writes the gathered state through the plugin, with every rank's random states
+            original({**checkpoint, RANKS_RNG_KEY: gather_random_states(strategy)}, filepath,
+                     storage_options=storage_options)
 
     def load(original: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from ._dcp_storage import is_sharded_checkpoint
@@ -183,6 +186,18 @@ def unpack_random_states(packed: dict[str, torch.Tensor]) -> dict[str, Any]:
     return states
 
 
+def gather_random_states(strategy: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Every rank's random states (:func:`pack_random_states`), on every rank: one tensor collective per generator
+    (no pickled objects), on the strategy's device as its backend needs."""
+    mine = pack_random_states(_rng.capture())
+    ranks: dict[str, dict[str, torch.Tensor]] = {_rank_key(r): {} for r in range(strategy.world_size)}
+    for name, tensor in mine.items():
+        gathered = strategy.all_gather(tensor.to(strategy.root_device)).cpu()
+        for r in range(strategy.world_size):
+            ranks[_rank_key(r)][name] = gathered[r] if strategy.world_size > 1 else gathered
+    return ranks
+
+
 # -- full state -------------------------------------------------------------------------------------------------
 def load_full_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, Any]:
     """Every rank reads the ORT file rank 0 wrote and keeps its shard of the module and optimizer states."""
@@ -190,6 +205,13 @@ def load_full_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, 
     from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
     checkpoint = plugin.load_checkpoint(path)
+    by_rank = checkpoint.pop(RANKS_RNG_KEY, None)
+    if isinstance(by_rank, dict):  # this rank's own random states, if it saved any
+        mine = by_rank.get(_rank_key(strategy.global_rank))
+        checkpoint.pop(RNG_KEY, None)
+        if mine is not None:
+            checkpoint[RNG_KEY] = unpack_random_states(mine)
+        checkpoint = plugin.loaded(checkpoint, path)
     model = strategy.model
     strict = strategy.lightning_module.strict_loading
     set_model_state_dict(model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict))
