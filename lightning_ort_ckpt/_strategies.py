@@ -3,7 +3,7 @@
 ``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` do not save through the ``CheckpointIO``: their own
 ``save_checkpoint`` / ``load_checkpoint`` call torch.distributed.checkpoint (a pickled ``.metadata``) or
 ``torch.load``. While an ``OrtCheckpointIO`` is bound to one of them (:func:`attach`, from the plugin's ``bind``;
-undone at its ``teardown``), those two methods are ours (the wrap itself is ``_lightning_adapter``'s):
+undone at its ``teardown``, which the strategy's ``teardown`` then calls), those two methods are ours (the wrap itself is ``_lightning_adapter``'s):
 
 - **sharded state** (``ModelParallelStrategy(save_distributed_checkpoint=True)``, the default;
   ``FSDPStrategy(state_dict_type="sharded")``): every rank writes its own shards through
@@ -85,7 +85,11 @@ def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
             return load_full_checkpoint(strategy, plugin, path)
         return original(checkpoint_path, weights_only)  # Lightning's own files: its DCP folders, torch files
 
-    return _lightning_adapter.wrap_strategy_checkpointing(strategy, save, load)
+    def teardown(original: Any) -> None:
+        original()
+        plugin.teardown()  # ModelParallelStrategy's does not call it; a second call does nothing; it unwraps
+
+    return _lightning_adapter.wrap_strategy_checkpointing(strategy, save, load, teardown)
 
 
 def gathers(strategy: Any) -> bool:
