@@ -228,6 +228,19 @@ class CheckpointReader:
             return np.empty(info.shape, dtype=dtype)
         return self._raw(info).view(dtype).reshape(info.shape)
 
+    def read_bytes(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes (uint8) read into memory of their own, never mapped, so nothing of the file stays in
+        this process once the array goes: a sharded checkpoint's reader and its consolidation read one tensor at a
+        time this way. Checked against the recorded checksum when the reader verifies."""
+        self._checked_dtype(info)
+        fd, path = (self._fd, self.path) if info.storage == "inline" else (self._data_fd(), self.data_path)
+        own = read_range(fd, info.offset, info.nbytes, path) if info.nbytes else np.empty(0, np.uint8)
+        if self._verify and self.checksums is not None and self.checksums.usable:
+            h = _checksums.hasher(int(info.dtype), info.shape)
+            h.update(own)
+            self._compare(info, h.intdigest())
+        return own
+
     def load(self, verify: bool = True) -> CheckpointContents:
         """Everything, as a :class:`CheckpointContents` of torch tensors (numpy arrays where torch is not installed), each in
         memory of its own (nothing left mapped).
