@@ -3,7 +3,8 @@
 ``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` do not save through the ``CheckpointIO``: their own
 ``save_checkpoint`` / ``load_checkpoint`` call torch.distributed.checkpoint (a pickled ``.metadata``) or
 ``torch.load``. While an ``OrtCheckpointIO`` is bound to one of them (:func:`attach`, from the plugin's ``bind``;
-undone at its ``teardown``, which the strategy's ``teardown`` then calls), those two methods are ours (the wrap itself is ``_lightning_adapter``'s):
+undone at its ``teardown``, which the strategy's ``teardown`` then calls), those two methods are ours (the
+wrap itself is ``_lightning_adapter``'s):
 
 - **sharded state** (``ModelParallelStrategy(save_distributed_checkpoint=True)``, the default;
   ``FSDPStrategy(state_dict_type="sharded")``): every rank writes its own shards through
