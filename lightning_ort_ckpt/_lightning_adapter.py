@@ -11,6 +11,12 @@ Three kinds of use:
   state layout (:func:`fit_loop_state_at_step`): functions here;
 - **overrides and calls** of ``ModelCheckpoint``'s private methods by ``OrtCheckpoint``: listed in
   :data:`MODEL_CHECKPOINT_PRIVATE` (the tests check that every supported Lightning has them);
+- **the per-strategy wrap** of ``save_checkpoint``/``load_checkpoint`` (:func:`wrap_strategy_checkpointing`): the
+  sharded strategies (``ModelParallelStrategy``, ``FSDPStrategy``) save and load without the ``CheckpointIO``
+  (torch.distributed.checkpoint, ``torch.load``); while an ``OrtCheckpointIO`` is bound to such a strategy
+  instance, these methods (and ``teardown``, which ends the plugin's work too) are ours (``_strategies``), set on
+  that instance only and removed at the plugin's ``teardown``. The strategy's save mode is read here
+  (:func:`sharded_state_dict`);
 - **the one wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
   ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
   content; every other file goes to Lightning's own function, unchanged. It is what lets
@@ -133,6 +139,46 @@ def fit_loop_state_at_step(fit_loop: Any, step: int) -> dict[str, Any]:
     state["epoch_loop.manual_optimization.optim_step_progress"]["total"].update(ready=step, completed=step)
     state["epoch_loop.state_dict"]["_batches_that_stepped"] = step
     return state
+
+
+def sharded_state_dict(strategy: Any) -> bool | None:
+    """Whether the strategy saves a sharded (distributed) state dict: ``ModelParallelStrategy``'s
+    ``save_distributed_checkpoint``, ``FSDPStrategy``'s ``state_dict_type="sharded"``; None for other strategies."""
+    if "_save_distributed_checkpoint" in strategy.__dict__:
+        return bool(strategy._save_distributed_checkpoint)
+    if "_state_dict_type" in strategy.__dict__:
+        return bool(strategy._state_dict_type == "sharded")
+    return None
+
+
+_STRATEGY_METHODS = ("save_checkpoint", "load_checkpoint", "teardown")
+
+
+def wrap_strategy_checkpointing(strategy: Any, save: Callable[..., Any], load: Callable[..., Any],
+                                teardown: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``strategy.save_checkpoint`` / ``load_checkpoint`` / ``teardown`` (this instance only) call
+    ``save(original, *args)``, ``load(original, *args)`` and ``teardown(original)``, ``original`` being Lightning's
+    bound method; returns the function that puts Lightning's back. ``teardown`` is wrapped because
+    ``ModelParallelStrategy.teardown`` does not call its ``CheckpointIO``'s: ours must end with the fit all the same.
+    Installed again (after undoing a previous wrap), it wraps Lightning's own methods, never ours."""
+    unwrap_strategy_checkpointing(strategy)
+    for name, ours in zip(_STRATEGY_METHODS, (save, load, teardown)):
+        original = getattr(strategy, name)
+
+        def method(*args: Any, _ours: Callable[..., Any] = ours, _original: Any = original, **kwargs: Any) -> Any:
+            return _ours(_original, *args, **kwargs)
+
+        setattr(method, _MARK, True)
+        strategy.__dict__[name] = method
+    return lambda: unwrap_strategy_checkpointing(strategy)
+
+
+def unwrap_strategy_checkpointing(strategy: Any) -> None:
+    """Put Lightning's ``save_checkpoint`` / ``load_checkpoint`` / ``teardown`` back on ``strategy`` (nothing if not
+    wrapped)."""
+    for name in _STRATEGY_METHODS:
+        if getattr(strategy.__dict__.get(name), _MARK, False):
+            del strategy.__dict__[name]
 
 
 # -- the loader wrap --------------------------------------------------------------------------------------------

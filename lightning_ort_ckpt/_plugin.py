@@ -36,7 +36,7 @@ from typing import Any, Literal
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import _lightning_adapter, _rng, _sharing, _staging
+from . import _lightning_adapter, _rng, _sharing, _staging, _strategies
 from ._async_saver import BackgroundQueue
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
@@ -97,6 +97,7 @@ class OrtCheckpointIOMixin:
         self._queue: BackgroundQueue | None = None
         self._stager = _staging.Stager()  # staging memory of asynchronous saves, reused from save to save
         self._owner: weakref.ref[Any] | None = None
+        self._unwrap: Any = None  # puts a sharded strategy's own save and load back (``_strategies.attach``)
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._resume_rng: tuple[Any, Any, str] | None = None  # (random states, epoch, path) to restore at train start
         hold_ort_loading(self)
@@ -128,7 +129,8 @@ class OrtCheckpointIOMixin:
                           "resumes it exactly; ORT can load it but not train from it. Add BindCheckpointIO() to the "
                           "Trainer's callbacks.", CheckpointWarning, stacklevel=2)
         ck = to_ort({**checkpoint, RNG_KEY: _rng.capture()}, info, ort_compatible=self.ort_compatible)
-        module = strategy.lightning_module if info is not None else None
+        # a sharded module's state was gathered into a copy: nothing to share with or defer to the live module
+        module = strategy.lightning_module if info is not None and not _strategies.gathers(strategy) else None
         shares = (self.share_frozen and self.external_data == "auto" and module is not None
                   and store_for(path, options).links)
         snap = self._sharing.snapshot(ck, path, module) if shares else None
@@ -162,10 +164,16 @@ class OrtCheckpointIOMixin:
         if found is None:
             found = read_contents(path, self.storage_options)
         checkpoint = to_lightning(found, path, strategy) if isinstance(found, CheckpointContents) else found
+        return map_location_of(self.loaded(checkpoint, path), map_location)
+
+    def loaded(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+        """``checkpoint`` (read from ``path``) is what the bound fit resumes from: its random states are restored
+        when training starts (:meth:`restore_random_states`). Returns it."""
+        strategy = self._owner_strategy()
         states = checkpoint.get(RNG_KEY)  # left in the dict: a caller may read them
         fitting = strategy is not None and _lightning_adapter.fitting(strategy)
         self._resume_rng = (states, checkpoint.get("epoch"), path) if states is not None and fitting else None
-        return map_location_of(checkpoint, map_location)
+        return checkpoint
 
     def hold(self, path: str, found: Any) -> None:
         """What ``ckpt_path="last"`` resolution read from ``path`` (an ORT file's contents, or a checkpoint dict):
@@ -240,6 +248,9 @@ class OrtCheckpointIOMixin:
             queue_.close()
         self._stager.close()
         self._held = None
+        unwrap, self._unwrap = self._unwrap, None
+        if unwrap is not None:
+            unwrap()
         wait_for_cleanup()
         if queue_ is not None:
             self._raise(queue_.take_error())
@@ -272,8 +283,13 @@ class OrtCheckpointIOMixin:
 
     def bind(self, strategy: Any) -> None:
         """Remember the strategy that uses this plugin, weakly: ``OrtCheckpoint`` and ``BindCheckpointIO`` call
-        this in ``setup``, before anything is saved or restored."""
+        this in ``setup``, before anything is saved or restored. A sharded strategy (``ModelParallelStrategy``,
+        ``FSDPStrategy``), which saves and loads without its ``CheckpointIO``, saves and loads through this plugin
+        until :meth:`teardown` (``_strategies``); DeepSpeed is refused here."""
         self._owner = weakref.ref(strategy)
+        if self._unwrap is not None:
+            self._unwrap()
+        self._unwrap = _strategies.attach(strategy, self)
 
 
 def _remove(store: Store, path: str) -> None:
@@ -292,6 +308,8 @@ def _holds(strategy: Any, state_dict: dict[str, Any]) -> bool:
     module = strategy.lightning_module
     if module is None:
         return False
+    if _strategies.gathers(strategy):  # a gathered copy, and module.state_dict() would start a collective
+        return _strategies.names_match(strategy, state_dict)
     live = module.state_dict(keep_vars=True)
     return any(isinstance(t, torch.Tensor) and k in live and live[k].data_ptr() == t.data_ptr()
                for k, t in state_dict.items())

@@ -50,7 +50,7 @@ class ModuleInfo:
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, optimizers_: list[torch.optim.Optimizer]) -> ModuleInfo:
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = {id(p): clean_name(n) for n, p in module.named_parameters()}
         params = [[names.get(id(p), "") for g in opt.param_groups for p in g["params"]] for opt in optimizers_]
         return cls(trainable=trainable_set(module, params[0] if params else None), optimizer_params=params)
 
@@ -63,7 +63,19 @@ def trainable_set(module: torch.nn.Module, first_optimizer: list[str] | None) ->
     optimizer known (``None``), every ``requires_grad`` parameter.
     """
     held = None if first_optimizer is None else set(first_optimizer)
-    return {n for n, p in module.named_parameters() if p.requires_grad and (held is None or n in held)}
+    return {clean_name(n) for n, p in module.named_parameters()
+            if p.requires_grad and (held is None or clean_name(n) in held)}
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name as the module's ``state_dict`` spells it: without the module names of torch's wrappers
+    (FSDP, activation checkpointing), which their state-dict hooks remove."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def aliases_of(module: torch.nn.Module) -> dict[str, str]:

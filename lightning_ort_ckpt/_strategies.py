@@ -1,0 +1,233 @@
+"""Lightning's sharded strategies: what ``OrtCheckpointIO`` saves and restores under them.
+
+``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` do not save through the ``CheckpointIO``: their own
+``save_checkpoint`` / ``load_checkpoint`` call torch.distributed.checkpoint (a pickled ``.metadata``) or
+``torch.load``. While an ``OrtCheckpointIO`` is bound to one of them (:func:`attach`, from the plugin's ``bind``;
+undone at its ``teardown``, which the strategy's ``teardown`` then calls), those two methods are ours (the
+wrap itself is ``_lightning_adapter``'s):
+
+- **sharded state** (``ModelParallelStrategy(save_distributed_checkpoint=True)``, the default;
+  ``FSDPStrategy(state_dict_type="sharded")``): every rank writes its own shards through
+  ``_dcp_storage.save_sharded``: the module state and optimizer states as Lightning built them (DTensors or
+  ShardedTensors), loops, callbacks, hyper-parameters and the rest as values, and each rank's random states under
+  its rank. The checkpoint is a directory. Loading asks torch.distributed.checkpoint's ``get_*_state_dict`` helpers
+  for this run's shards and fills them through ``load_sharded``: at the same world size exactly the saved state, at
+  another one the same tensors resharded (random states are restored on the ranks that saved them);
+- **full state** (``save_distributed_checkpoint=False``, ``state_dict_type="full"``): Lightning gathers the state on
+  every rank and rank 0 writes it through the plugin, one ORT file; every rank loads that file and hands the full
+  state to ``set_model_state_dict`` / ``set_optimizer_state_dict``, which keep each rank's shard.
+
+Every other strategy (DDP, single device...) saves through the ``CheckpointIO`` and is left alone. DeepSpeed is
+refused when the plugin is bound (:class:`CheckpointConfigError`): its ZeRO checkpoints are DeepSpeed's own files.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Literal
+
+import torch
+
+from . import _lightning_adapter, _rng
+from ._namespaces import namespace_of
+from ._rng import RNG_KEY
+from ._translation.lightning_dict import clean_name
+from .errors import CheckpointConfigError
+
+Plugin = Any
+"""An ``OrtCheckpointIO`` (layer 3: not imported here): ``storage_options``, ``_options``, ``wait``,
+``load_checkpoint`` and ``loaded`` are what this module uses of it."""
+
+SUPPORTED = ("DDPStrategy (and every strategy that saves through the CheckpointIO), ModelParallelStrategy, "
+             "FSDPStrategy(state_dict_type='sharded' or 'full')")
+RANKS_RNG_KEY = "lightning_ort_ckpt.rng_states_by_rank"
+"""Where a full-state file keeps every rank's random states (rank 0 writes it; each rank restores its own)."""
+WORLD_SIZE_KEY = "lightning_ort_ckpt.world_size"
+"""The world size of a sharded save (a value in the checkpoint): which ranks' random states it holds."""
+
+
+def kind(strategy: Any) -> Literal["sharded", "full"] | None:
+    """How ``strategy`` saves: ``"sharded"`` or ``"full"`` for the strategies handled here, None for those that
+    save through the ``CheckpointIO``. Raises :class:`CheckpointConfigError` for DeepSpeed."""
+    ns = namespace_of(strategy)
+    if isinstance(strategy, ns.attr("strategies.DeepSpeedStrategy")):
+        raise CheckpointConfigError(
+            f"OrtCheckpoint cannot save under {type(strategy).__name__}: DeepSpeed writes its ZeRO checkpoints "
+            f"itself, in its own files, and cannot reshard them. Supported strategies: {SUPPORTED}. Use "
+            "ModelParallelStrategy or FSDPStrategy for sharded training, or Lightning's ModelCheckpoint with DeepSpeed")
+    if not isinstance(strategy, (ns.attr("strategies.ModelParallelStrategy"), ns.attr("strategies.FSDPStrategy"))):
+        return None
+    sharded = _lightning_adapter.sharded_state_dict(strategy)
+    return None if sharded is None else "sharded" if sharded else "full"
+
+
+def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
+    """Route ``strategy``'s saves and loads through ``plugin`` (its options, its random-state restore); returns what
+    undoes it, or None for a strategy that uses the plugin by itself."""
+    how = kind(strategy)
+    if how is None:
+        return None
+
+    def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if kind(strategy) == "sharded":
+            save_sharded_checkpoint(strategy, plugin, checkpoint, filepath, storage_options)
+        else:  # Lightning's own: rank 0 writes the gathered state through the plugin, with every rank's random states
+            original({**checkpoint, RANKS_RNG_KEY: gather_random_states(strategy)}, filepath,
+                     storage_options=storage_options)
+
+    def load(original: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from ._dcp_storage import is_sharded_checkpoint
+        from ._reading import is_ort_checkpoint
+
+        path = str(strategy.broadcast(checkpoint_path))
+        if is_sharded_checkpoint(path, plugin.storage_options):
+            return load_sharded_checkpoint(strategy, plugin, path)
+        if is_ort_checkpoint(path, plugin.storage_options):
+            return load_full_checkpoint(strategy, plugin, path)
+        return original(checkpoint_path, weights_only)  # Lightning's own files: its DCP folders, torch files
+
+    def teardown(original: Any) -> None:
+        original()
+        plugin.teardown()  # ModelParallelStrategy's does not call it; a second call does nothing; it unwraps
+
+    return _lightning_adapter.wrap_strategy_checkpointing(strategy, save, load, teardown)
+
+
+def gathers(strategy: Any) -> bool:
+    """Whether the module of ``strategy`` is sharded: its state dict is gathered (a copy), never the module's own
+    tensors, and asking the module for it starts a collective that every rank must join."""
+    try:
+        return kind(strategy) is not None
+    except CheckpointConfigError:
+        return True
+
+
+def names_match(strategy: Any, state_dict: dict[str, Any]) -> bool:
+    """Whether a gathered ``state_dict`` is the state of ``strategy``'s module: the same parameter names (judged
+    by name, as it is a copy; no collective)."""
+    module = strategy.lightning_module
+    if module is None:
+        return False
+    params = {clean_name(n) for n, _ in module.named_parameters()}
+    return bool(params) and params <= set(state_dict)
+
+
+# -- sharded ----------------------------------------------------------------------------------------------------
+def save_sharded_checkpoint(strategy: Any, plugin: Plugin, checkpoint: dict[str, Any], filepath: Any,
+                            storage_options: Any = None) -> None:
+    """Every rank: its shards of the module and optimizer states, the values (rank 0's), its random states."""
+    from ._dcp_storage import save_sharded
+
+    plugin.wait()
+    path = str(strategy.broadcast(str(filepath)))
+    state = {**checkpoint, WORLD_SIZE_KEY: strategy.world_size,
+             RNG_KEY: {_rank_key(strategy.global_rank): pack_random_states(_rng.capture())}}
+    save_sharded(state, path, storage_options=plugin._options(storage_options))
+
+
+def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, Any]:
+    """Fill this run's shards from the checkpoint (resharded when the world size differs) and return Lightning's
+    checkpoint dict; the random states of this rank, if it saved any, are restored when training starts."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from ._dcp_storage import load_sharded
+
+    options = plugin.storage_options
+    values = load_sharded({}, path, storage_options=options)  # the values only: no tensor is read
+    model, rank = strategy.model, strategy.global_rank
+    fitting = _lightning_adapter.fitting(strategy)
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    if fitting and "optimizer_states" in values:
+        state["optimizer_states"] = [get_optimizer_state_dict(model, opt) for opt in strategy.optimizers]
+    saved_ranks = values.get(WORLD_SIZE_KEY)
+    mine = isinstance(saved_ranks, int) and rank < saved_ranks
+    if mine:
+        state[RNG_KEY] = {_rank_key(rank): pack_random_states(_rng.capture())}
+    load_sharded(state, path, storage_options=options)
+    strict = strategy.lightning_module.strict_loading
+    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    for opt, opt_state in zip(strategy.optimizers, state.get("optimizer_states", [])):
+        set_optimizer_state_dict(model, opt, opt_state)
+    checkpoint = {k: v for k, v in values.items() if k not in (WORLD_SIZE_KEY, RNG_KEY)}
+    checkpoint.update((k, state[k]) for k in ("state_dict", "optimizer_states") if k in state)
+    if mine:
+        checkpoint[RNG_KEY] = unpack_random_states(state[RNG_KEY][_rank_key(rank)])
+    return plugin.loaded(checkpoint, path)
+
+
+def _rank_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def pack_random_states(states: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One rank's random states (``_rng.capture``) as tensors of fixed shapes: a sharded save keeps one value of
+    each non-tensor leaf (rank 0's), and the tensors of every rank under their own names."""
+    _, words, gauss = states["python"]
+    _, key, pos, has_gauss, np_gauss = states["numpy"]
+    packed = {"python": words.clone(),
+              "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+              "numpy": torch.from_numpy(key.astype("int64")),
+              "numpy_rest": torch.tensor([pos, has_gauss, np_gauss], dtype=torch.float64),
+              "torch": states["torch"].clone()}
+    for i, t in enumerate(states.get("torch.cuda", [])):
+        packed[f"torch.cuda.{i}"] = t.clone()
+    return packed
+
+
+def unpack_random_states(packed: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The states :func:`pack_random_states` packed, as ``_rng.restore`` takes them."""
+    has_gauss, gauss = packed["python_gauss"].tolist()
+    pos, np_has_gauss, np_gauss = packed["numpy_rest"].tolist()
+    states: dict[str, Any] = {
+        "python": (random.Random.VERSION, packed["python"], gauss if has_gauss else None),
+        "numpy": ("MT19937", packed["numpy"].numpy().astype("uint32"), int(pos), int(np_has_gauss), np_gauss),
+        "torch": packed["torch"]}
+    cuda = [packed[k] for k in sorted((k for k in packed if k.startswith("torch.cuda.")),
+                                      key=lambda k: int(k.rpartition(".")[2]))]
+    if cuda:
+        states["torch.cuda"] = cuda
+    return states
+
+
+def gather_random_states(strategy: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Every rank's random states (:func:`pack_random_states`), on every rank: one tensor collective per generator
+    (no pickled objects), on the strategy's device as its backend needs."""
+    mine = pack_random_states(_rng.capture())
+    ranks: dict[str, dict[str, torch.Tensor]] = {_rank_key(r): {} for r in range(strategy.world_size)}
+    for name, tensor in mine.items():
+        gathered = strategy.all_gather(tensor.to(strategy.root_device)).cpu()
+        for r in range(strategy.world_size):
+            ranks[_rank_key(r)][name] = gathered[r] if strategy.world_size > 1 else gathered
+    return ranks
+
+
+# -- full state -------------------------------------------------------------------------------------------------
+def load_full_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, Any]:
+    """Every rank reads the ORT file rank 0 wrote and keeps its shard of the module and optimizer states."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    checkpoint = plugin.load_checkpoint(path)
+    by_rank = checkpoint.pop(RANKS_RNG_KEY, None)
+    if isinstance(by_rank, dict):  # this rank's own random states, if it saved any
+        mine = by_rank.get(_rank_key(strategy.global_rank))
+        checkpoint.pop(RNG_KEY, None)
+        if mine is not None:
+            checkpoint[RNG_KEY] = unpack_random_states(mine)
+        checkpoint = plugin.loaded(checkpoint, path)
+    model = strategy.model
+    strict = strategy.lightning_module.strict_loading
+    set_model_state_dict(model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict))
+    states = checkpoint.get("optimizer_states")
+    if states is not None and _lightning_adapter.fitting(strategy):
+        if len(states) != len(strategy.optimizers):
+            raise CheckpointConfigError(f"the run has {len(strategy.optimizers)} optimizers, the checkpoint holds "
+                                        f"the state of {len(states)}", path)
+        for opt, opt_state in zip(strategy.optimizers, states):
+            if opt_state.get("state") and isinstance(next(iter(opt_state["state"])), int):  # torch's index keys
+                opt_state = FullyShardedDataParallel.rekey_optim_state_dict(opt_state, OptimStateKeyType.PARAM_NAME,
+                                                                            model)
+            set_optimizer_state_dict(model, opt, opt_state, options=StateDictOptions(full_state_dict=True))
+    return checkpoint

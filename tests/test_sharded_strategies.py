@@ -1,0 +1,280 @@
+"""``OrtCheckpoint`` under Lightning's sharded strategies, 2 CPU processes (gloo), launched as users launch them.
+
+A standalone script (written to ``tmp_path``) trains a tiny module (a frozen layer, a buffer, two trained layers,
+AdamW over the trained ones, per-rank random noise in every step: each rank's random states decide the run) with
+``ModelParallelStrategy`` (FSDP2 ``fully_shard``, on CPU) in both save modes, ``save_distributed_checkpoint=True``
+(a sharded checkpoint: a directory, every rank writing its own shards) and ``False`` (Lightning gathers the full
+state, rank 0 writes one ORT file). One launch runs, per mode, the uninterrupted run (8 steps, 2 epochs) and the
+first half of an interrupted one (4 steps, saved at step 4); a second launch, in fresh processes, resumes the half
+run from its step-4 checkpoint; a third resumes the sharded one at world size 1. Checked:
+
+* resume at the same world size is bitwise the uninterrupted run: weights, optimizer state, loop position, and each
+  rank's own random states at every step after the resume;
+* the full-state file is a real ORT checkpoint: ORT's ``CheckpointState`` loads it with the trained layers trainable
+  and the frozen layer and buffer frozen, and no rank warns that the plugin is not attached;
+* a world-size-2 sharded checkpoint resumes at world size 1 with the same weights and optimizer state (resharded);
+* the strategy's own ``save_checkpoint`` / ``load_checkpoint`` are back once fit is over;
+* DeepSpeed is refused with a ``CheckpointConfigError`` naming the supported strategies, before anything trains.
+
+``FSDPStrategy`` (FSDP1) is not run here: torch refuses FSDP1 without an accelerator ("FSDP needs a non-CPU
+accelerator device"), so its test runs only where two CUDA devices are present (see ``test_fsdp_strategy``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_ort_ckpt._dcp_storage import is_sharded_checkpoint
+from lightning_ort_ckpt._reading import read_contents
+from ort_reference import ort_api, ort_parameters
+
+MODES = ("mp-sharded", "mp-full")
+CKPT = "epoch=0-step=4.ckpt"
+SCRIPT = r'''
+import hashlib, json, os, sys, warnings
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from lightning_ort_ckpt import OrtCheckpoint
+
+
+class Net(pl.LightningModule):
+    def __init__(self, sharded_by_hand):
+        super().__init__()
+        self.sharded_by_hand = sharded_by_hand
+        self.l0, self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 1)
+        self.l0.requires_grad_(False)
+        self.register_buffer("scale", torch.full((1,), 0.5))
+
+    def configure_model(self):
+        if self.sharded_by_hand:
+            from torch.distributed.fsdp import fully_shard
+            mesh = self.device_mesh["data_parallel"]
+            for m in (self.l1, self.l2):
+                fully_shard(m, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(self.l0(x)))) * self.scale
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0] + 0.05 * torch.randn_like(batch[0])  # per-rank random numbers decide the run
+        return nn.functional.mse_loss(self(x), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+    def on_fit_start(self):
+        torch.manual_seed(1000 + self.global_rank)
+
+
+class Record(pl.Callback):
+    def __init__(self, out, name):
+        self.out, self.name, self.rng = out, name, {}
+
+    def full_state(self, trainer, pl_module):
+        model = trainer.strategy.model
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = get_model_state_dict(model, options=opts)
+        osd = get_optimizer_state_dict(model, trainer.optimizers[0], options=opts)
+        return {"model": sd, "optim": osd}
+
+    def dump(self, trainer, pl_module, what):
+        state = self.full_state(trainer, pl_module)
+        if trainer.global_rank == 0:
+            torch.save(state, os.path.join(self.out, f"{self.name}.{what}.pt"))
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = trainer.global_step
+        self.dump(trainer, pl_module, "start")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rng[trainer.global_step] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+    def on_fit_end(self, trainer, pl_module):
+        self.dump(trainer, pl_module, "end")
+        with open(os.path.join(self.out, f"{self.name}.rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"start": self.start, "end": trainer.global_step, "rng": self.rng,
+                       "warnings": [str(w.message) for w in CAUGHT]}, f)
+
+
+def strategy(kind, devices):
+    if kind.startswith("mp"):
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=kind == "mp-sharded")
+    return FSDPStrategy(state_dict_type=kind.split("-")[1], auto_wrap_policy={nn.Linear})  # CUDA only
+
+
+def fit(out, kind, name, max_steps, devices=2, ckpt_path=None):
+    pl.seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=g)
+    y = torch.sin(x).sum(1, keepdim=True)
+    cb = OrtCheckpoint(os.path.join(out, kind, name), every_n_train_steps=4, save_top_k=-1)
+    trainer = pl.Trainer(max_steps=max_steps, strategy=strategy(kind, devices), devices=devices,
+                         accelerator="cuda" if kind.startswith("fsdp") else "cpu",
+                         logger=False, callbacks=[Record(out, f"{kind}-{name}"), cb], num_sanity_val_steps=0,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Net(kind.startswith("mp")), DataLoader(TensorDataset(x, y), batch_size=4), ckpt_path=ckpt_path)
+    wrapped = sorted(k for k in ("save_checkpoint", "load_checkpoint") if k in vars(trainer.strategy))
+    with open(os.path.join(out, f"{kind}-{name}.wrapped{trainer.global_rank}.json"), "w") as f:
+        json.dump(wrapped, f)  # our methods are gone from the strategy once fit is over
+
+
+out, phase, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+warnings.simplefilter("ignore")
+with warnings.catch_warnings(record=True) as CAUGHT:
+    warnings.simplefilter("always", UserWarning)
+    for kind in kinds:
+        if phase == "first":
+            fit(out, kind, "full", 8)
+            fit(out, kind, "half", 4)
+        elif phase == "resume":
+            fit(out, kind, "resumed", 8, ckpt_path=os.path.join(out, kind, "half", "epoch=0-step=4.ckpt"))
+        else:
+            fit(out, kind, "resumed1", 8, devices=1, ckpt_path=os.path.join(out, kind, "half", "epoch=0-step=4.ckpt"))
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path: Path, phase: str, kinds: str, timeout: float = 240) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
+        env.pop(name, None)  # the launcher decides these
+    try:
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path), phase, kinds], env=env, cwd=str(tmp_path),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the run ({phase} {kinds}) hung:\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The three launches (about a minute on two cores); the tests below check what they left."""
+    tmp_path = tmp_path_factory.mktemp("sharded")
+    launch(tmp_path, "first", ",".join(MODES))
+    launch(tmp_path, "resume", ",".join(MODES))
+    launch(tmp_path, "one", "mp-sharded")
+    return tmp_path
+
+
+def record(tmp_path: Path, name: str, rank: int) -> dict[str, Any]:
+    return json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+
+
+def state(tmp_path: Path, name: str, when: str) -> dict[str, Any]:
+    """The full module and optimizer state (gathered by torch's helpers) at the start or end of a fit."""
+    return torch.load(tmp_path / f"{name}.{when}.pt")
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
+    assert a["model"].keys() == b["model"].keys(), where
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), (where, k)
+    assert a["optim"]["state"].keys() == b["optim"]["state"].keys() and a["optim"]["state"], where
+    for param, moments in a["optim"]["state"].items():
+        for m, t in moments.items():
+            assert torch.equal(t, b["optim"]["state"][param][m]), (where, param, m)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_is_bitwise_the_uninterrupted_run(runs: Path, mode: str) -> None:
+    assert_same_state(state(runs, f"{mode}-full", "end"), state(runs, f"{mode}-resumed", "end"), mode)
+    for rank in (0, 1):
+        full, resumed = record(runs, f"{mode}-full", rank), record(runs, f"{mode}-resumed", rank)
+        assert (resumed["start"], resumed["end"]) == (4, 8)
+        # each rank draws its own random numbers after the resume, as in the uninterrupted run
+        assert resumed["rng"] == {k: v for k, v in full["rng"].items() if int(k) >= 4}, (mode, rank)
+    assert record(runs, f"{mode}-full", 0)["rng"]["4"] != record(runs, f"{mode}-full", 1)["rng"]["4"]
+
+
+def test_sharded_checkpoint_is_a_directory(runs: Path) -> None:
+    path = runs / "mp-sharded" / "half" / CKPT
+    assert path.is_dir() and is_sharded_checkpoint(str(path))
+    assert sorted(p.name for p in (runs / "mp-sharded" / "half").iterdir()) == [CKPT]
+
+
+def test_full_state_file_trains_in_ort(runs: Path) -> None:
+    path = runs / "mp-full" / "half" / CKPT
+    contents = read_contents(path)
+    assert sorted(contents.trainable) == ["l1.bias", "l1.weight", "l2.bias", "l2.weight"]
+    assert {"l0.weight", "l0.bias", "scale"} <= set(contents.frozen)
+    assert sorted(contents.optimizer_groups["group0"].states) == sorted(contents.trainable)
+    params = ort_parameters(ort_api().CheckpointState.load_checkpoint(str(path)))
+    saved = state(runs, "mp-full-half", "end")["model"]
+    for name, tensor in saved.items():
+        assert params[name][0].tobytes() == tensor.numpy().tobytes(), name
+        assert params[name][1] is (name in contents.trainable), name
+    for rank in (0, 1):
+        warned = record(runs, "mp-full-half", rank)["warnings"]
+        assert not [w for w in warned if "not attached" in w], warned
+
+
+def test_world_size_one_resumes_a_world_size_two_sharded_checkpoint(runs: Path) -> None:
+    assert_same_state(state(runs, "mp-sharded-half", "end"), state(runs, "mp-sharded-resumed1", "start"), "ws 1")
+    assert record(runs, "mp-sharded-resumed1", 0)["end"] == 8
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_strategy_methods_are_lightnings_after_fit(runs: Path, mode: str) -> None:
+    for rank in (0, 1):
+        assert json.loads((runs / f"{mode}-resumed.wrapped{rank}.json").read_text()) == []
+
+
+def test_deepspeed_is_refused_before_training(tmp_path: Path) -> None:
+    import pytorch_lightning as pl
+    from pytorch_lightning.demos.boring_classes import BoringModel
+    from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
+
+    from lightning_ort_ckpt import OrtCheckpoint
+    from lightning_ort_ckpt.errors import CheckpointConfigError
+
+    class CPUDeepSpeed(DeepSpeedStrategy):
+        """Test only: Lightning refuses DeepSpeed without the deepspeed package (in ``__init__``) and without CUDA
+        (in ``setup_environment``); this one sets up as DDP on CPU, everything else is DeepSpeedStrategy's."""
+
+        __init__ = DDPStrategy.__init__
+        setup_environment = DDPStrategy.setup_environment
+        setup_distributed = DDPStrategy.setup_distributed
+
+    class Counting(BoringModel):
+        steps = 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            Counting.steps += 1
+            return super().training_step(batch, batch_idx)
+
+    trainer = pl.Trainer(strategy=CPUDeepSpeed(), accelerator="cpu", devices=1, logger=False, max_steps=2,
+                         callbacks=[OrtCheckpoint(tmp_path)], enable_progress_bar=False)
+    with pytest.raises(CheckpointConfigError, match="ModelParallelStrategy.*FSDPStrategy") as e:
+        trainer.fit(Counting())
+    assert "CPUDeepSpeed" in str(e.value) and "DeepSpeed" in str(e.value)
+    assert Counting.steps == 0 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="torch runs FSDP1 (FSDPStrategy) only on accelerators")
+@pytest.mark.parametrize("mode", ["fsdp-sharded", "fsdp-full"])
+def test_fsdp_strategy(tmp_path: Path, mode: str) -> None:
+    launch(tmp_path, "first", mode)
+    launch(tmp_path, "resume", mode)
+    assert_same_state(state(tmp_path, f"{mode}-full", "end"), state(tmp_path, f"{mode}-resumed", "end"), mode)
