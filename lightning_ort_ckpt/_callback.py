@@ -533,18 +533,22 @@ class OrtCheckpointMixin:
         newest_first = sorted(candidates, key=lambda p: (_modified(store, p, p in folders), store.link_target(p)
                                                          is not None, p in lasts, p), reverse=True)
         rank_zero = trainer.global_rank == 0
+        half = {f for f in folders & candidates if not store.exists(_join(f, METADATA_NAME))}
+        if half and rank_zero:  # saves that did not finish: retention deletes them once the next save is stored
+            self._to_delete.update(half)
+            warnings.warn(f"{', '.join(sorted(half))}: checkpoint folder(s) without {METADATA_NAME} (a save that did "
+                          "not finish): not resumed from, and deleted after the next save", CheckpointWarning,
+                          stacklevel=2)
         io = bound_plugin(trainer) or self.checkpoint_io  # setup installs ours later, when the Trainer has none
         for path in newest_first:
+            if path in half:
+                continue
             if path in folders:
                 if _is_sharded_checkpoint(path, self.checkpoint_io.storage_options):
                     return self._chose_last(path, folder=True)
                 if rank_zero:
-                    why = "damaged"
-                    if not store.exists(_join(path, METADATA_NAME)):  # a save that did not finish
-                        why = "missing: its save did not finish, and it is deleted after the next save"
-                        self._to_delete.add(path)  # (retention, once the next save is stored)
                     warnings.warn(f"{path} cannot be resumed from (a checkpoint folder whose {METADATA_NAME} is "
-                                  f"{why}); trying the next newest checkpoint", CheckpointWarning, stacklevel=2)
+                                  "damaged); trying the next newest checkpoint", CheckpointWarning, stacklevel=2)
                 continue
             if not rank_zero:
                 return self._chose_last(path, folder=False)
