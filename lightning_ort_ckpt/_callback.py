@@ -26,6 +26,11 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
   there, becomes a copy. A ``file://`` URL is the local path it names (ModelCheckpoint makes a folder ``file:``).
 - **"last" falls back**: ``ckpt_path="last"`` resumes from the newest checkpoint in ``dirpath`` that can resume a
   fit, skipping (with a warning) unreadable and weights-only files.
+- **Several ranks and nodes**: ``setup`` checks that every rank sees ``dirpath`` (a node-local disk under
+  ``num_nodes > 1`` is a clear error on every rank, within seconds) and that every rank resumes from the checkpoint
+  rank 0 resolved ``"last"`` to (rank 0 alone reads the candidates); every rank calls the same collectives.
+- **Checkpoint folders** (sharded checkpoints) are one checkpoint each for "last" and retention; one whose save did
+  not finish is skipped, and deleted after the next save.
 - **Exact resume from any save point**: the random states are applied again at ``on_train_start`` when a checkpoint
   saved inside its epoch (at validation end, or mid-epoch) resumes, which the plugin alone cannot do.
 - ``include_optimizer_state=False`` writes parameters only (small deploy files), like ORT's flag of that name; it is
