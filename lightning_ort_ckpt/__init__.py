@@ -15,13 +15,14 @@ from .format import (CheckpointContents, CheckpointReader, DataType, OptimizerGr
 if TYPE_CHECKING:  # what the names below are, for type checkers; at run time they load on first use
     from ._binding import BindCheckpointIO
     from ._callback import OrtCheckpoint
+    from ._consolidate import consolidate
     from ._plugin import OrtCheckpointIO
     from ._reading import disable_ort_loading, enable_ort_loading
 
 __version__ = "0.3.0"
 
 _LAZY = {"OrtCheckpoint": "._callback", "OrtCheckpointIO": "._plugin", "BindCheckpointIO": "._binding",
-         "enable_ort_loading": "._reading", "disable_ort_loading": "._reading"}
+         "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate"}
 
 
 def __getattr__(name: str) -> Any:
@@ -36,6 +37,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BindCheckpointIO", "CheckpointConfigError", "CheckpointContents", "CheckpointError", "CheckpointReader",
     "CheckpointSaveError", "CorruptCheckpointError", "DataType", "OptimizerGroup", "OrtCheckpoint",
-    "OrtCheckpointIO", "TensorInfo", "disable_ort_loading", "enable_ort_loading", "load_checkpoint",
+    "OrtCheckpointIO", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load_checkpoint",
     "open_checkpoint", "save_checkpoint",
 ]

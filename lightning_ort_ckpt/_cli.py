@@ -9,7 +9,8 @@ it is not, naming what is wrong; ``ort-ckpt export FILE --module pkg.mod:Class -
 deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra). Failures print one ``error:
 ...`` line, never a traceback, and exit 1. ``FILE`` may be an fsspec URL (``s3://...``),
 read with the store's default configuration (for S3: the ``AWS_*`` environment variables, ``AWS_ENDPOINT_URL``
-included, or ``FSSPEC_S3_*``).
+included, or ``FSSPEC_S3_*``). ``FILE`` may also be a sharded checkpoint directory (it is consolidated into a
+temporary file first, which needs torch); ``ort-ckpt consolidate DIR OUT.ckpt`` writes one as one ORT file.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import CheckpointContents, OptimizerGroup
-from .format._store import store_for
+from .format._store import is_remote, store_for
 from .format._reader import CheckpointReader, TensorInfo
 from .format._shared_data import damage_note
 from ._translation import FORMAT, MANIFEST
@@ -46,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_inspect.add_argument("--json", action="store_true", help="print one JSON document for scripts")
     p_verify = sub.add_parser("verify", help="validate the file completely; exit status 0 if valid, 1 if not")
     p_verify.add_argument("file")
+    p_consolidate = sub.add_parser("consolidate", help="write a sharded checkpoint directory as one ORT checkpoint "
+                                   "file (a tensor at a time)")
+    p_consolidate.add_argument("directory", help="a sharded checkpoint directory (its checkpoint.ort-meta)")
+    p_consolidate.add_argument("output", help="the ORT checkpoint file to write (and <output>.data past 2 GiB)")
     p_export = sub.add_parser("export", help="export a checkpoint to an ONNX inference model, checked against "
                               "ONNX Runtime")
     p_export.add_argument("file", help="an ORT or torch checkpoint")
@@ -100,10 +105,13 @@ def _run(args: argparse.Namespace) -> int:
     """Exit status: 0 done, 1 the file is invalid or the command failed (an ``error:`` line says why)."""
     if args.command == "export":
         return _export(args)
+    if args.command == "consolidate":
+        return _consolidate(args)
     try:
-        with store_for(args.file).fetched(args.file) as local, CheckpointReader(local) as reader:  # a URL: downloaded first
+        with _single_file(args.file) as single, store_for(single).fetched(single) as local, \
+                CheckpointReader(local) as reader:  # a URL: downloaded first; a sharded directory: consolidated
             report = describe(reader)
-            if local != args.file:  # the report names the URL, not the downloaded copy
+            if local != args.file:  # the report names the URL or directory, not the local copy
                 report["file"] = args.file
                 report["files"] = {args.file + name[len(local):]: size for name, size in report["files"].items()}
             if args.command == "verify":
@@ -197,6 +205,45 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, list):
         return [_json_safe(v) for v in value]
     return value
+
+
+def _is_directory(path: str) -> bool:
+    """A local directory, or a URL naming no file (perhaps a sharded checkpoint's folder): only then does the CLI
+    load torch, to read a sharded checkpoint."""
+    if not is_remote(path):
+        return os.path.isdir(path)
+    store = store_for(path)
+    return store.exists(path) and not store.read_head(path, 1)
+
+
+@contextlib.contextmanager
+def _single_file(path: str) -> Any:
+    """``path``, or a sharded checkpoint directory consolidated into a temporary file (``_consolidate``)."""
+    if not _is_directory(path):
+        yield path
+        return
+    from ._consolidate import single_file  # torch: a sharded checkpoint was written with it
+
+    with single_file(path) as single:
+        yield single
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    try:
+        from ._consolidate import consolidate  # torch: a sharded checkpoint was written with it
+    except ModuleNotFoundError as e:
+        return _missing(e)
+    try:
+        consolidate(args.directory, args.output)
+    except CheckpointError as e:
+        print(f"error: {_first_line(e)}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: cannot consolidate {_shown(args.directory)} into {_shown(args.output)}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"consolidated {_shown(args.directory)} into {_shown(args.output)}")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -77,7 +77,7 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
 
     Args:
         model: your LightningModule class (built with ``load_from_checkpoint``) or a module instance.
-        checkpoint: an ORT or torch checkpoint; its weights (and AdamW moments, if any) are the starting state.
+        checkpoint: an ORT or torch checkpoint, or a sharded checkpoint directory; its weights (and AdamW moments, if any) are the starting state.
         example_input: a batch of model inputs (a tuple for several, named ``input0``, ``input1``...); defaults to
             the module's ``example_input_array``.
         loss: an ``onnxruntime.training.artifacts.LossType`` or onnxblock loss; default cross-entropy.
@@ -88,6 +88,15 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
         ArtifactsError: the module cannot be exported, ORT cannot differentiate or run it (checked with a training
             step on the example input), or its eval-mode forward is random.
     """
+    from ._consolidate import single_file
+
+    with single_file(os.fspath(checkpoint)) as source:  # a sharded directory: consolidated into a temporary file
+        return _make_training_artifacts(model, source, directory, example_input=example_input, loss=loss,
+                                        optimizer=optimizer, opset=opset, verbose=verbose)
+
+
+def _make_training_artifacts(model: Any, checkpoint: str, directory: str | os.PathLike[str], *, example_input: Any,
+                             loss: Any, optimizer: Any, opset: int, verbose: bool) -> TrainingArtifacts:
     import onnx
     from onnxruntime.training import artifacts
 

@@ -70,7 +70,8 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
         reference: the module that was trained (``OrtCheckpoint(export_best_to=...)`` passes the live one): the
             module rebuilt from the checkpoint's hyperparameters must have its parameter shapes and, given the
             checkpoint's weights, its outputs on the example input, so the report is about the model you trained.
-        checkpoint: an ORT or torch checkpoint path, or an fsspec URL (read with the store's default configuration,
+        checkpoint: an ORT or torch checkpoint path, a sharded checkpoint directory, or an fsspec URL (read with the
+            store's default configuration,
             e.g. ``AWS_*`` environment variables for S3).
         example_input: the input to export and compare with; defaults to the module's ``example_input_array``.
         tolerance: the largest absolute difference between ONNX Runtime and torch that is accepted.
@@ -81,13 +82,16 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
         ExportError: no example input, the rebuilt module is not ``reference``, the export failed, or ONNX Runtime
             differs from torch by more than ``tolerance`` (nothing is left at ``output`` then).
     """
+    from ._consolidate import single_file
+
     checkpoint, output = os.fspath(checkpoint), os.fspath(output)
-    state = read_weights(checkpoint)
-    module = _load_module(model, checkpoint, state)
-    monitor, score = _monitored_score(state)
-    global_step = state.get("global_step")
-    hparams, hparams_name = dict(state.get("hyper_parameters") or {}), state.get("hparams_name")
-    del state  # the weights are in the module: the file's pages are let go before the export needs memory
+    with single_file(checkpoint) as source:  # a sharded directory: consolidated into a temporary file first
+        state = read_weights(source)
+        module = _load_module(model, source, state)
+        monitor, score = _monitored_score(state)
+        global_step = state.get("global_step")
+        hparams, hparams_name = dict(state.get("hyper_parameters") or {}), state.get("hparams_name")
+        del state  # the weights are in the module: the file's pages are let go before the export needs memory
     module.eval()
     args = example_input if example_input is not None else getattr(module, "example_input_array", None)
     if args is None:

@@ -7,6 +7,7 @@ numpy array of ``str``. The field names follow ORT: ``trainable`` is ORT's ``req
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -25,6 +26,18 @@ class StoredAs:
 
     tensor: Any
     dtype: DataType
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor read only when the writer streams it, and let go right after: a consolidation assembles each tensor
+    from the shards of a sharded checkpoint this way, so the save holds one tensor at a time, not the whole state.
+    ``load()`` returns a torch tensor or numpy array of ``dtype`` and ``shape`` (it may run more than once: a store
+    that hashes before streaming reads every tensor twice)."""
+
+    dtype: DataType
+    shape: tuple[int, ...]
+    load: Callable[[], Any]
 
 
 GROUP_ZERO = "group0"

@@ -228,6 +228,30 @@ class CheckpointReader:
             return np.empty(info.shape, dtype=dtype)
         return self._raw(info).view(dtype).reshape(info.shape)
 
+    def read_bytes(self, info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
+        """The tensor's bytes (uint8) read into memory of their own (or into ``out``, a writable uint8 array of
+        ``info.nbytes``: a load's target tensor), never mapped, so nothing of the file stays in this process once
+        the array goes: a sharded checkpoint's reader and its consolidation read one tensor at a time this way.
+        Checked against the recorded checksum when the reader verifies."""
+        self._checked_dtype(info)
+        fd, path = (self._fd, self.path) if info.storage == "inline" else (self._data_fd(), self.data_path)
+        if out is None:
+            own = read_range(fd, info.offset, info.nbytes, path) if info.nbytes else np.empty(0, np.uint8)
+        else:
+            own, view, pos = out, memoryview(out).cast("B"), 0
+            if len(view) != info.nbytes:
+                raise ValueError(f"{info.name!r} has {info.nbytes} bytes, not {len(view)}")
+            while pos < info.nbytes:
+                n = _pread_into(fd, view[pos:], info.offset + pos, portable_io())
+                if n == 0:
+                    raise CorruptCheckpointError(f"file ended early at byte {info.offset + pos:,}", path)
+                pos += n
+        if self._verify and self.checksums is not None and self.checksums.usable:
+            h = _checksums.hasher(int(info.dtype), info.shape)
+            h.update(own)
+            self._compare(info, h.intdigest())
+        return own
+
     def load(self, verify: bool = True) -> CheckpointContents:
         """Everything, as a :class:`CheckpointContents` of torch tensors (numpy arrays where torch is not installed), each in
         memory of its own (nothing left mapped).

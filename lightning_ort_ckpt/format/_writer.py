@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import CheckpointSaveError
 from ._atomic import SaveFiles
 from . import _checksums
-from ._contents import CheckpointContents, OptimizerGroup, PropertyValue, StoredAs, Tensor
+from ._contents import CheckpointContents, Deferred, OptimizerGroup, PropertyValue, StoredAs, Tensor
 from ._diskio import BEHIND_BYTES, WriteBehind
 from ._dtypes import DataType, from_numpy, from_torch
 from ._flatbuffers import Blob, LayoutBuilder, LayoutTooLarge, Piece
@@ -216,6 +216,9 @@ class _Tensors:
 def _describe(name: str, tensor: Tensor) -> _Entry:
     stored = tensor.dtype if isinstance(tensor, StoredAs) else None
     source = tensor.tensor if isinstance(tensor, StoredAs) else tensor
+    if isinstance(source, Deferred):
+        dtype = stored or source.dtype
+        return _Entry(name, dtype, tuple(source.shape), math.prod(source.shape) * dtype.itemsize, tensor)
     if _is_torch(source):
         import torch
 
@@ -240,9 +243,16 @@ def _byte_chunks(tensor: Any, scratch: Callable[[], np.ndarray]) -> Iterator[tup
     """The tensor's bytes in C order as stored (little-endian, converted to a ``StoredAs`` type), each with whether
     it lies in ``scratch`` memory: straight from the tensor's memory when it is a contiguous CPU tensor of that
     type (not scratch), else converted chunk by chunk into the one ``_CHUNK_BYTES`` scratch buffer of the save,
-    which the next chunk overwrites (so the caller writes each before it asks for the next)."""
+    which the next chunk overwrites (so the caller writes each before it asks for the next). A :class:`Deferred`
+    tensor is loaded here and its chunks flagged as scratch, so that each is written before the next and nothing
+    keeps the loaded tensor once it is streamed."""
     stored = tensor.dtype if isinstance(tensor, StoredAs) else None
     source = tensor.tensor if isinstance(tensor, StoredAs) else tensor
+    if isinstance(source, Deferred):
+        loaded = source.load()
+        for chunk, _ in _byte_chunks(loaded if stored is None else StoredAs(loaded, stored), scratch):
+            yield chunk, True
+        return
     if _is_torch(source):
         yield from _torch_chunks(source, stored, scratch)
         return
