@@ -55,6 +55,7 @@ from . import _lightning_adapter
 from ._namespaces import loaded, namespace_of
 from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
 from ._binding import bound_plugin
+from ._dcp_storage import METADATA_NAME, is_sharded_checkpoint, join
 from ._reading import is_ort_checkpoint, read_contents, to_lightning
 from ._translation import MANIFEST
 from ._retention import retain
@@ -65,7 +66,6 @@ from .format._shared_data import damage_note
 from .format._store import StorageOptions, Store, is_remote, local_path, store_for, strip_protocol
 from .format._writer import ExternalData
 
-METADATA_NAME = "checkpoint.ort-meta"  # stand-in for _dcp_storage's, until that module is merged
 _MARKER_PREFIX = ".ort_ckpt.shared."  # the file rank 0 writes in dirpath at setup, for every rank to find
 
 
@@ -239,7 +239,7 @@ class OrtCheckpointMixin:
         marker = token = None
         if trainer.is_global_zero and problem is None and stage == "fit" and dirpath is not None:
             token = secrets.token_hex(16)
-            marker = _join(dirpath, f"{_MARKER_PREFIX}{token}")
+            marker = join(dirpath, f"{_MARKER_PREFIX}{token}")
             try:
                 with self._store(marker).writing(marker, with_data=False, required_bytes=len(token)) as files:
                     files.main.write(token.encode())
@@ -538,7 +538,7 @@ class OrtCheckpointMixin:
         newest_first = sorted(candidates, key=lambda p: (_modified(store, p, p in folders), store.link_target(p)
                                                          is not None, p in lasts, p), reverse=True)
         rank_zero = trainer.global_rank == 0
-        half = {f for f in folders & candidates if not store.exists(_join(f, METADATA_NAME))}
+        half = {f for f in folders & candidates if not store.exists(join(f, METADATA_NAME))}
         if half and rank_zero:  # saves that did not finish: retention deletes them once the next save is stored
             self._to_delete.update(half)
             warnings.warn(f"{', '.join(sorted(half))}: checkpoint folder(s) without {METADATA_NAME} (a save that did "
@@ -549,7 +549,7 @@ class OrtCheckpointMixin:
             if path in half:
                 continue
             if path in folders:
-                if _is_sharded_checkpoint(path, self.checkpoint_io.storage_options):
+                if is_sharded_checkpoint(path, self.checkpoint_io.storage_options):
                     return self._chose_last(path, folder=True)
                 if rank_zero:
                     warnings.warn(f"{path} cannot be resumed from (a checkpoint folder whose {METADATA_NAME} is "
@@ -617,11 +617,6 @@ class OrtCheckpointMixin:
                               CheckpointWarning, stacklevel=2)
 
 
-def _join(directory: str, name: str) -> str:
-    """``name`` inside ``directory`` (a local path or a URL)."""
-    return f"{directory.rstrip('/')}/{name}" if is_remote(directory) else os.path.join(directory, name)
-
-
 def _inside(path: str, folder: str) -> bool:
     return path.startswith(folder.rstrip("/") + "/") or path.startswith(folder.rstrip(os.sep) + os.sep)
 
@@ -629,13 +624,7 @@ def _inside(path: str, folder: str) -> bool:
 def _modified(store: Store, path: str, folder: bool) -> float:
     """When ``path`` was written; for a checkpoint folder, when it was committed (its metadata), or, without
     metadata, when it last changed."""
-    return max(store.modified(path), store.modified(_join(path, METADATA_NAME))) if folder else store.modified(path)
-
-
-def _is_sharded_checkpoint(path: str, storage_options: StorageOptions | None) -> bool:
-    """Stand-in for ``_dcp_storage.is_sharded_checkpoint`` until that module is merged: the folder has its
-    metadata file."""
-    return store_for(path, storage_options).exists(_join(path, METADATA_NAME))
+    return max(store.modified(path), store.modified(join(path, METADATA_NAME))) if folder else store.modified(path)
 
 
 def _absolute(path: str) -> str:

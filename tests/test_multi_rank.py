@@ -37,7 +37,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt._callback import METADATA_NAME
+from lightning_ort_ckpt._dcp_storage import METADATA_NAME, is_sharded_checkpoint, save_sharded
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import _atomic
@@ -263,14 +263,17 @@ def _everything(dirpath: str) -> list[str]:
 
 
 def _folder(dirpath: str, name: str, committed: bool) -> str:
-    """A checkpoint folder as a sharded save leaves it: shard files, and the metadata last (when ``committed``)."""
+    """A checkpoint folder: a sharded save's (``committed``), or one whose save did not finish (a shard file and no
+    metadata); either with a ``.ckpt`` file in a sub-folder, which is no checkpoint of its own."""
     fs, root = fsspec.core.url_to_fs(dirpath)
     folder = f"{root}/{name}"
-    fs.makedirs(f"{folder}/nested", exist_ok=True)
-    fs.pipe_file(f"{folder}/shard-0000000000000000-00000.odtc", b"shard 0" * 100)
-    fs.pipe_file(f"{folder}/nested/x.ckpt", b"a file inside a checkpoint is no checkpoint")
     if committed:
-        fs.pipe_file(f"{folder}/{METADATA_NAME}", b"{}")
+        save_sharded({"layer": {"weight": torch.ones(3, 4)}, "global_step": 4}, f"{dirpath}/{name}")
+    else:
+        fs.makedirs(folder, exist_ok=True)
+        fs.pipe_file(f"{folder}/shard-0000000000000000-00000.odtc", b"shard 0" * 100)
+    fs.makedirs(f"{folder}/nested", exist_ok=True)
+    fs.pipe_file(f"{folder}/nested/x.ckpt", b"a file inside a checkpoint is no checkpoint")
     return f"{dirpath}/{name}"
 
 
@@ -302,6 +305,14 @@ def test_last_takes_a_committed_folder_as_one_checkpoint(tmp_path: Path) -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)
         assert callback._find_last_checkpoints(trainer) == {folder}
+    # a newer folder whose metadata is damaged is skipped, with a warning naming it, and kept
+    damaged = _folder(dirpath, "epoch=0-step=6.ckpt", committed=True)
+    Path(damaged, METADATA_NAME).write_text("{}")
+    os.utime(Path(damaged, METADATA_NAME), (time.time() + 120, time.time() + 120))
+    with pytest.warns(CheckpointWarning, match=r"epoch=0-step=6\.ckpt cannot be resumed from \(a checkpoint folder "
+                                               r"whose checkpoint\.ort-meta is damaged\)"):
+        assert callback._find_last_checkpoints(trainer) == {folder}
+    assert callback._to_delete == set() and os.path.isdir(damaged)
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
@@ -309,14 +320,14 @@ def test_retention_deletes_a_checkpoint_folder_whole(tmp_path: Path, where: str)
     """The plugin's remove_checkpoint (what retention calls) takes the folder and everything in it; no hidden copy
     stays (it used to stay as ``.<name>.<token>.old`` for good)."""
     dirpath = _dirpath(tmp_path, where)
-    keep = _folder(dirpath, "epoch=0-step=2.ckpt", committed=True)
+    _folder(dirpath, "epoch=0-step=2.ckpt", committed=True)
+    kept = _everything(dirpath)
     gone = _folder(dirpath, "epoch=0-step=4.ckpt", committed=True)
+    assert len(_everything(dirpath)) == 2 * len(kept) and is_sharded_checkpoint(gone)
     OrtCheckpointIO().remove_checkpoint(gone)
-    assert not _everything(dirpath + "/" + os.path.basename(gone)) if where == "memory" else not os.path.exists(gone)
+    assert not is_sharded_checkpoint(gone)
     wait_for_cleanup()
-    name = os.path.basename(keep)
-    assert _everything(dirpath) == [name, f"{name}/{METADATA_NAME}", f"{name}/nested", f"{name}/nested/x.ckpt",
-                                    f"{name}/shard-0000000000000000-00000.odtc"]
+    assert _everything(dirpath) == kept
 
 
 def test_a_folder_a_killed_process_left_hidden_is_swept_by_the_next_save(tmp_path: Path) -> None:
@@ -332,3 +343,8 @@ def test_a_folder_a_killed_process_left_hidden_is_swept_by_the_next_save(tmp_pat
     _trainer(dirpath, 2).fit(_Tiny())
     wait_for_cleanup()
     assert _everything(dirpath) == [_step_file(2)]
+
+
+def test_stores_delete_the_metadata_file_of_a_folder_first() -> None:
+    """The stores know the file that commits a checkpoint folder (the format layer cannot import its owner)."""
+    assert _atomic.FOLDER_COMMIT_NAME == METADATA_NAME
