@@ -503,8 +503,10 @@ class OrtCheckpointMixin:
             try:
                 self.checkpoint_io.link(filepath, linkpath)  # queued behind the save of filepath when asynchronous
                 self._link_target = None if is_remote(linkpath) else filepath
-            except (CheckpointError, OSError) as e:
+            except CheckpointError as e:
                 error = e
+            except OSError as e:
+                error = CheckpointSaveError(f"cannot link it to {filepath!r} ({e.strerror or e})", linkpath)
         # ModelCheckpoint's barrier, carrying whether the link was made: every rank raises, or none (one that raised
         # alone would leave the others waiting in the next collective)
         if not trainer.strategy.reduce_boolean_decision(error is None, all=True) and error is None:
@@ -588,7 +590,7 @@ class OrtCheckpointMixin:
             return False
         try:
             found = _resumable(path, self.checkpoint_io.storage_options)
-        except CheckpointError:
+        except (CheckpointError, OSError):
             return False
         self.checkpoint_io.hold(mine, found)
         return True

@@ -96,7 +96,7 @@ class Record(pl.Callback):
                            rank=trainer.global_rank, node=trainer.node_rank)
 
 
-out, name, dirpath, max_steps, ckpt_path = sys.argv[1:6]
+out, name, dirpath, max_steps, ckpt_path, save_last = sys.argv[1:7]
 node = os.environ["NODE_RANK"]
 dirpath = dirpath.replace("NODE", node)
 pl.seed_everything(0)
@@ -106,12 +106,15 @@ record = Record()
 trainer = pl.Trainer(num_nodes=2, devices=1, strategy="ddp", accelerator="cpu", max_steps=int(max_steps),
                      logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                      callbacks=[record, OrtCheckpoint(dirpath, every_n_train_steps=2, save_top_k=-1,
-                                                      save_last=True)])
+                                                      save_last="link" if save_last == "link" else True,
+                                                      enable_version_counter=save_last != "link")])
 try:
     trainer.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4),
                 ckpt_path=ckpt_path or None)
 except CheckpointConfigError as e:
     record.record["error"] = str(e)
+except Exception as e:  # a failed link: recorded, on every rank
+    record.record["failure"] = f"{type(e).__name__}: {e}"
 record.record["reads"] = READS
 with open(os.path.join(out, f"{name}.node{node}.json"), "w") as f:
     json.dump(record.record, f)
@@ -124,7 +127,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp: Path, name: str, dirpath: str, max_steps: int, ckpt_path: str = "",
+def _launch(tmp: Path, name: str, dirpath: str, max_steps: int, ckpt_path: str = "", save_last: str = "true",
             timeout: float = 150) -> tuple[list[dict[str, Any]], float]:
     """Both "nodes" of one run; each one's record, and the seconds the run took."""
     script = tmp / "node.py"
@@ -133,7 +136,8 @@ def _launch(tmp: Path, name: str, dirpath: str, max_steps: int, ckpt_path: str =
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", LOCAL_RANK="0",
                PYTHONWARNINGS="ignore")
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp), name, dirpath, str(max_steps), ckpt_path],
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp), name, dirpath, str(max_steps), ckpt_path,
+                               save_last],
                               env={**env, "NODE_RANK": str(node)}, cwd=str(tmp), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     outputs = []
@@ -225,6 +229,18 @@ def test_node_local_dirpath_never_restarts_from_step_zero(first: Path) -> None:
         assert "start_step" not in r, "training started"
     assert "(this rank: none)" in ranks[1]["error"]
     assert sorted(os.listdir(first / "node1")) == []  # nothing written on node 1
+
+
+def test_a_link_that_fails_on_rank_zero_fails_on_every_rank(first: Path) -> None:
+    """``save_last="link"`` where ``last.ckpt`` cannot be replaced (a non-empty folder of that name): rank 0's
+    error, and rank 1 raises too instead of waiting for rank 0 at the barrier after the link."""
+    directory = first / "link"
+    (directory / "last.ckpt" / "inside").mkdir(parents=True)
+    ranks, _ = _launch(first, "link", str(directory), 4, save_last="link", timeout=120)
+    assert ranks[0]["failure"].startswith(f"CheckpointSaveError: {directory / 'last.ckpt'}: cannot link it to"), \
+        ranks[0]["failure"]
+    assert ranks[1]["failure"].startswith("CheckpointSaveError") and "global rank 0 could not link" in \
+        ranks[1]["failure"], ranks[1]
 
 
 # -- one process: checkpoint folders ------------------------------------------------------------------------------
