@@ -26,6 +26,11 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
   there, becomes a copy. A ``file://`` URL is the local path it names (ModelCheckpoint makes a folder ``file:``).
 - **"last" falls back**: ``ckpt_path="last"`` resumes from the newest checkpoint in ``dirpath`` that can resume a
   fit, skipping (with a warning) unreadable and weights-only files.
+- **Several ranks and nodes**: ``setup`` checks that every rank sees ``dirpath`` (a node-local disk under
+  ``num_nodes > 1`` is a clear error on every rank, within seconds) and that every rank resumes from the checkpoint
+  rank 0 resolved ``"last"`` to (rank 0 alone reads the candidates); every rank calls the same collectives.
+- **Checkpoint folders** (sharded checkpoints) are one checkpoint each for "last" and retention; one whose save did
+  not finish is skipped, and deleted after the next save.
 - **Exact resume from any save point**: the random states are applied again at ``on_train_start`` when a checkpoint
   saved inside its epoch (at validation end, or mid-epoch) resumes, which the plugin alone cannot do.
 - ``include_optimizer_state=False`` writes parameters only (small deploy files), like ORT's flag of that name; it is
@@ -37,7 +42,9 @@ It takes every ``ModelCheckpoint`` argument with the same meaning (it *is* a ``M
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import warnings
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -48,15 +55,18 @@ from . import _lightning_adapter
 from ._namespaces import loaded, namespace_of
 from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
 from ._binding import bound_plugin
+from ._dcp_storage import METADATA_NAME, is_sharded_checkpoint, join
 from ._reading import is_ort_checkpoint, read_contents, to_lightning
 from ._translation import MANIFEST
 from ._retention import retain
 from ._torch_files import load_torch_file
-from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
+from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents
 from .format._shared_data import damage_note
 from .format._store import StorageOptions, Store, is_remote, local_path, store_for, strip_protocol
 from .format._writer import ExternalData
+
+_MARKER_PREFIX = ".ort_ckpt.shared."  # the file rank 0 writes in dirpath at setup, for every rank to find
 
 
 class OrtCheckpointMixin:
@@ -167,6 +177,7 @@ class OrtCheckpointMixin:
         self._link_target: str | None = None  # what last.ckpt points to once queued work is done
         self._in_batch_end = False
         self._found_last: str | None = None  # what ckpt_path="last" resolved to in this fit: rotates as usual
+        self._last_choice: tuple[bool, str | None, bool] = (False, None, False)  # "last" asked; found; a folder
         self._monitor_value: Any = None
         self._monitor_step: int | None = None
 
@@ -182,10 +193,7 @@ class OrtCheckpointMixin:
             from .export import check_export_config
 
             check_export_config(pl_module, self.export_tolerance)
-        dirpath = self.dirpath  # type: ignore[attr-defined]
-        if dirpath is not None and not is_remote(dirpath) and os.path.exists(dirpath) and not os.path.isdir(dirpath):
-            raise CheckpointConfigError(f"dirpath {dirpath!r} is a file, not a directory")
-        remote_link = self.save_last == "link" and is_remote(dirpath)
+        remote_link = self.save_last == "link" and is_remote(self.dirpath)  # type: ignore[attr-defined]
         if remote_link:  # ModelCheckpoint refuses links on a store; ours become copies (_link_checkpoint)
             self.save_last = True
         try:
@@ -206,8 +214,62 @@ class OrtCheckpointMixin:
             raise CheckpointConfigError(f"OrtCheckpoint writes through OrtCheckpointIO, but this Trainer has the "
                                         f"plugin {type(io).__name__}; remove it or pass OrtCheckpointIO")
         self.checkpoint_io.bind(trainer.strategy)
+        dirpath = self.dirpath  # type: ignore[attr-defined]  # rank 0's, on every rank (ModelCheckpoint's setup)
         if self.checkpoint_io.storage_options is not None and is_remote(dirpath):
             _lightning_adapter.set_checkpoint_filesystem(self, dirpath, self.checkpoint_io.storage_options)
+        self._check_dirpath(trainer, stage)
+
+    def _check_dirpath(self, trainer: Any, stage: str) -> None:
+        """``dirpath`` must be a directory, and, with several ranks, the same one for each: rank 0 writes a marker
+        file there (when fitting) and every rank must see it; the "last" checkpoint rank 0 resolved must be the one
+        each rank resumes from (:meth:`_adopt_last`). Every rank calls the same two collectives here, whatever it
+        finds, and every rank raises the same error: a rank that raised alone would leave the others waiting in the
+        next collective until the process group times out."""
+        dirpath = self.dirpath  # type: ignore[attr-defined]
+        problem = None
+        if dirpath is not None and not is_remote(dirpath) and os.path.exists(dirpath) and not os.path.isdir(dirpath):
+            problem = f"dirpath {dirpath!r} is a file, not a directory"
+        if trainer.world_size == 1:
+            if problem is not None:
+                raise CheckpointConfigError(problem)
+            return
+        import torch  # loaded with Lightning by now
+
+        strategy = trainer.strategy
+        marker = token = None
+        if trainer.is_global_zero and problem is None and stage == "fit" and dirpath is not None:
+            token = secrets.token_hex(16)
+            marker = join(dirpath, f"{_MARKER_PREFIX}{token}")
+            try:
+                with self._store(marker).writing(marker, with_data=False, required_bytes=len(token)) as files:
+                    files.main.write(token.encode())
+            except (CheckpointError, OSError) as e:
+                problem, marker = f"rank 0 cannot write in dirpath {dirpath!r} ({e})", None
+        marker, token, problem, last = strategy.broadcast((marker, token, problem, self._last_choice), src=0)
+        seen = marker is None or self._store(marker).read_head(marker, len(token)) == token.encode()
+        agrees = self._adopt_last(trainer, last)
+        flags = strategy.all_gather(torch.tensor([int(seen), int(agrees), trainer.node_rank],
+                                                 device=strategy.root_device)).reshape(-1, 3).tolist()
+        if marker is not None and trainer.is_global_zero:
+            with contextlib.suppress(CheckpointError, OSError):
+                self._store(marker).remove(marker)
+        blind = [(rank, node) for rank, (s, _, node) in enumerate(flags) if not s]
+        astray = [rank for rank, (_, a, _) in enumerate(flags) if not a]
+        if problem is not None:
+            raise CheckpointConfigError(problem)
+        if blind:
+            ranks = ", ".join(f"{rank} (node {node})" for rank, node in blind)
+            raise CheckpointConfigError(
+                f"dirpath {dirpath!r} is not one directory for all ranks: global rank(s) {ranks} do not see the file "
+                "global rank 0 wrote there. Rank 0 alone writes the checkpoints, and every rank reads them to resume: "
+                "with num_nodes > 1, dirpath must be a directory every node shares (a network file system, or a URL "
+                "such as s3://... with storage_options), not a node-local disk")
+        if astray:
+            mine = "" if trainer.global_rank not in astray else f" (this rank: {self._last_choice[1] or 'none'})"
+            raise CheckpointConfigError(
+                f'ckpt_path="last": global rank 0 resolved it to {(last[1] if last else None) or "no checkpoint"} in '
+                f"dirpath {dirpath!r}, but global rank(s) {', '.join(map(str, astray))} found another{mine} and "
+                "cannot load rank 0's: is dirpath a directory every node shares?")
 
     @property
     def include_optimizer_state(self) -> bool:
@@ -234,7 +296,7 @@ class OrtCheckpointMixin:
         super().on_train_start(trainer, pl_module)  # type: ignore[misc]
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._found_last = None
+        self._found_last, self._last_choice = None, (False, None, False)
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns
         if stage == "fit" and self.export_best_to is not None and trainer.is_global_zero:
             self._export_best(pl_module)
@@ -385,7 +447,7 @@ class OrtCheckpointMixin:
         self._saved.append(filepath)
         self._to_delete.discard(filepath)
         super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
-        if self.keep_newest is not None:
+        if self.keep_newest is not None or self._to_delete:  # (a half-written folder "last" skipped waits too)
             self._retain(trainer)
 
     def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -433,31 +495,70 @@ class OrtCheckpointMixin:
     def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:  # type: ignore[override]
         """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable; on a store
         without links, a copy, independent of ``filepath`` from then on."""
+        error: Exception | None = None
         if not (self._confined(filepath) and self._confined(linkpath)):
-            raise CheckpointError(f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; "
-                                  f"refusing to link {linkpath!r} to {filepath!r}", linkpath)
-        if trainer.is_global_zero and _absolute(filepath) != _absolute(linkpath):
-            self.checkpoint_io.link(filepath, linkpath)  # queued behind the save of filepath when saving asynchronously
-            self._link_target = None if is_remote(linkpath) else filepath
-        trainer.strategy.barrier()
+            error = CheckpointError(f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; "
+                                    f"refusing to link {linkpath!r} to {filepath!r}", linkpath)
+        elif trainer.is_global_zero and _absolute(filepath) != _absolute(linkpath):
+            try:
+                self.checkpoint_io.link(filepath, linkpath)  # queued behind the save of filepath when asynchronous
+                self._link_target = None if is_remote(linkpath) else filepath
+            except CheckpointError as e:
+                error = e
+            except OSError as e:
+                error = CheckpointSaveError(f"cannot link it to {filepath!r} ({e.strerror or e})", linkpath)
+        # ModelCheckpoint's barrier, carrying whether the link was made: every rank raises, or none (one that raised
+        # alone would leave the others waiting in the next collective)
+        if not trainer.strategy.reduce_boolean_decision(error is None, all=True) and error is None:
+            error = CheckpointSaveError(f"global rank 0 could not link it to {filepath!r} (its error says why)",
+                                        linkpath)
+        if error is not None:
+            raise error
 
     # -- resume -------------------------------------------------------------------------------------------------
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         """For ``ckpt_path="last"``: the newest checkpoint in ``dirpath`` that can resume a fit, skipping damaged and
-        weights-only files (and sub-folders only where ``filename`` makes them, with a "/")."""
+        weights-only files and half-written checkpoint folders (and sub-folders only where ``filename`` makes them,
+        with a "/"). A committed checkpoint folder (a sharded checkpoint) is one checkpoint; one without its
+        metadata (a save that did not finish) is skipped, and deleted after the next save.
+
+        Rank 0 alone reads the candidates (each once, in full, checksums verified). Lightning asks before the
+        process group is up, so the other ranks take the newest candidate by the listing alone, and ``setup``
+        has every rank load the one rank 0 chose (:meth:`_adopt_last`)."""
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
         nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # type: ignore[attr-defined]
         lasts = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
         store = self._store(directory)
+        extension = self.FILE_EXTENSION  # type: ignore[attr-defined]
+        files = store.list_files(directory, nested) if directory else []
+        folders = {d for d in (store.list_folders(directory, nested) if directory else []) if d.endswith(extension)}
         if is_remote(directory):  # ModelCheckpoint's search drops the URL's protocol: put it back
-            lasts = {p for p in store.list_files(directory, nested) if os.path.normpath(strip_protocol(p)) in lasts}
-        candidates = set(lasts) | {p for p in (store.list_files(directory, nested) if directory else [])
-                                   if p.endswith(self.FILE_EXTENSION)}  # type: ignore[attr-defined]
-        # newest first; on a tie (a link and its target) the link, then Lightning's own last* names
-        newest_first = sorted(candidates, key=lambda p: (store.modified(p), store.link_target(p) is not None,
-                                                         p in lasts), reverse=True)
+            lasts = {p for p in [*files, *folders] if os.path.normpath(strip_protocol(p)) in lasts}
+        candidates = {p for p in set(lasts) | folders | {f for f in files if f.endswith(extension)}
+                      if not any(_inside(p, folder) for folder in folders)}  # a folder's own files are no candidates
+        # newest first; on a tie (a link and its target) the link, then Lightning's own last* names, then by name
+        newest_first = sorted(candidates, key=lambda p: (_modified(store, p, p in folders), store.link_target(p)
+                                                         is not None, p in lasts, p), reverse=True)
+        rank_zero = trainer.global_rank == 0
+        half = {f for f in folders & candidates if not store.exists(join(f, METADATA_NAME))}
+        if half and rank_zero:  # saves that did not finish: retention deletes them once the next save is stored
+            self._to_delete.update(half)
+            warnings.warn(f"{', '.join(sorted(half))}: checkpoint folder(s) without {METADATA_NAME} (a save that did "
+                          "not finish): not resumed from, and deleted after the next save", CheckpointWarning,
+                          stacklevel=2)
         io = bound_plugin(trainer) or self.checkpoint_io  # setup installs ours later, when the Trainer has none
         for path in newest_first:
+            if path in half:
+                continue
+            if path in folders:
+                if is_sharded_checkpoint(path, self.checkpoint_io.storage_options):
+                    return self._chose_last(path, folder=True)
+                if rank_zero:
+                    warnings.warn(f"{path} cannot be resumed from (a checkpoint folder whose {METADATA_NAME} is "
+                                  "damaged); trying the next newest checkpoint", CheckpointWarning, stacklevel=2)
+                continue
+            if not rank_zero:
+                return self._chose_last(path, folder=False)
             try:
                 found = _resumable(path, self.checkpoint_io.storage_options)
             except CheckpointError as e:
@@ -467,9 +568,32 @@ class OrtCheckpointMixin:
                               "newest checkpoint", CheckpointWarning, stacklevel=2)
                 continue
             io.hold(path, found)
-            self._found_last = _absolute(path)
-            return {path}
+            return self._chose_last(path, folder=False)
+        self._last_choice = (True, None, False)
         return set()
+
+    def _chose_last(self, path: str, folder: bool) -> set[str]:
+        self._last_choice = (True, path, folder)
+        self._found_last = _absolute(path)
+        return {path}
+
+    def _adopt_last(self, trainer: Any, agreed: tuple[bool, str | None, bool]) -> bool:
+        """Whether this rank resumes from the checkpoint rank 0 resolved ``ckpt_path="last"`` to (``agreed``, rank
+        0's ``_last_choice``). Where this rank's listing chose another file (one rank 0 found damaged or weights
+        only), the plugin is handed what rank 0's file holds (one read) for the load Lightning does of this rank's
+        path; a folder, or no checkpoint on one side, cannot be handed over."""
+        asked, mine, folder = self._last_choice
+        if tuple(agreed) == self._last_choice:
+            return True
+        path = agreed[1]
+        if not (asked and agreed[0] and mine and path) or folder or agreed[2]:
+            return False
+        try:
+            found = _resumable(path, self.checkpoint_io.storage_options)
+        except (CheckpointError, OSError):
+            return False
+        self.checkpoint_io.hold(mine, found)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,  # type: ignore[misc]
@@ -493,6 +617,16 @@ class OrtCheckpointMixin:
                 warnings.warn(f"the checkpoint's callback state names files that are not checkpoints inside dirpath "
                               f"{self.dirpath!r}: {', '.join(outside)}; they will never be deleted or linked",
                               CheckpointWarning, stacklevel=2)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path.startswith(folder.rstrip("/") + "/") or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _modified(store: Store, path: str, folder: bool) -> float:
+    """When ``path`` was written; for a checkpoint folder, when it was committed (its metadata), or, without
+    metadata, when it last changed."""
+    return max(store.modified(path), store.modified(join(path, METADATA_NAME))) if folder else store.modified(path)
 
 
 def _absolute(path: str) -> str:

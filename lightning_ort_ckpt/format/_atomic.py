@@ -9,13 +9,14 @@ their names follow our pattern. Readers never change the directory: :func:`open_
 new, whole) even while a commit is in progress or after a writer died in one, or says that it could not.
 
 Writers of one directory take a lock for the short commit (``flock`` on the directory, or a lock file where that is
-not available), so two processes saving the same path never undo each other's renames. Replaced and removed files get
-a hidden second name (``.<name>.<token>.old``) and are unlinked on a background thread (freeing gigabytes can take
-seconds on these disks); the queue is drained at exit, or by :func:`drain_deletions`. The token is
-``<host>-<boot>.<pid>.<random>``: leftovers of a killed save are swept only when they are this host's, of this boot
-and of a process that no longer runs (or of an earlier boot), so a shared file system never loses another machine's
-save in progress; anything else is swept only when it is older than :data:`STALE_AGE_S`. A process lists a directory
-for leftovers once (its first save there); later saves look again only at the leftovers that had to wait.
+not available), so two processes saving the same path never undo each other's renames. Replaced and removed files
+get a hidden second name (``.<name>.<token>.old``; a removed checkpoint folder too, as a whole) and are unlinked on
+a background thread (freeing gigabytes can take seconds on these disks); the queue is drained at exit, or by
+:func:`drain_deletions`. The token is ``<host>-<boot>.<pid>.<random>``: leftovers of a killed save are swept only
+when they are this host's, of this boot and of a process that no longer runs (or of an earlier boot), so a shared
+file system never loses another machine's save in progress; anything else is swept only when it is older than
+:data:`STALE_AGE_S`. A process lists a directory for leftovers once (its first save there); later saves look again
+only at the leftovers that had to wait.
 
 Every name we derive from a checkpoint's (temporaries, journal) fits wherever the checkpoint's own name fits: a name
 longer than the file system allows is cut short and tagged with a hash of the whole name (``_fitting``).
@@ -51,6 +52,9 @@ except ImportError:  # not a POSIX system: the lock file is the only lock
     fcntl = None  # type: ignore[assignment]
 
 DATA_SUFFIX = ".data"
+FOLDER_COMMIT_NAME = "checkpoint.ort-meta"
+"""The file whose presence makes a folder a checkpoint (a sharded one: ``_dcp_storage.METADATA_NAME``); a store that
+deletes a folder object by object deletes it first."""
 JOURNAL_SUFFIX = ".commit"
 LOCK_NAME = ".ort_ckpt.lock"  # the writers' lock file, where the directory itself cannot be locked
 STALE_AGE_S = 7 * 24 * 3600  # leftovers of other hosts, or named as older versions did, go only after this long
@@ -715,7 +719,10 @@ class _Unlinker:
 
     def _unlink(self, path: str) -> None:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):  # a removed sharded checkpoint: all of it
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
         self._queue.task_done()
 
 
@@ -736,20 +743,28 @@ def wait_for_cleanup() -> None:
 
 # -- removal and links ------------------------------------------------------------------------------------------------
 def remove(path: str) -> None:
-    """Delete a checkpoint together with its ``.data`` file; the blocks are freed later.
+    """Delete a checkpoint together with its ``.data`` file, or a checkpoint folder (a sharded checkpoint) whole;
+    the blocks are freed later.
 
     All or nothing for a reader: the ``.ckpt`` goes first (renamed to a hidden name), so no reader ever finds a
-    ``.ckpt`` without its ``.data``; a commit a dead writer left pending is completed first, so its new ``.ckpt``
-    cannot reappear.
+    ``.ckpt`` without its ``.data``; a folder is renamed in one step, so no reader finds part of it. The renames are
+    durable when this returns (a crash cannot bring the checkpoint back); what they hid is deleted on the background
+    thread, or, after a crash, swept by the next save in the directory. A commit a dead writer left pending is
+    completed first, so its new ``.ckpt`` cannot reappear.
     """
     path = os.path.abspath(path)
+    hidden: list[str] = []
     with _WriterLock(os.path.dirname(path)) as lock:
         _recover_locked(path, lock)
         for victim in (path, data_path(path)):
             if os.path.lexists(victim):
                 trash = _trash_name(victim)
                 os.replace(victim, trash)
-                _UNLINKER.put(trash)
+                hidden.append(trash)
+        if hidden:
+            lock.fsync()
+    for trash in hidden:
+        _UNLINKER.put(trash)
 
 
 def link(target: str, linkpath: str) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
-from ._atomic import DATA_SUFFIX, SaveFiles, data_path
+from ._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME, SaveFiles, data_path
 from ._shared_data import Identity
 
 _WHOLE_ON_COMPLETE = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
@@ -137,20 +137,36 @@ class FsspecStore:
             return float("-inf")
 
     def list_files(self, directory: str, recursive: bool) -> list[str]:
+        return self._listed(directory, recursive, "file")
+
+    def list_folders(self, directory: str, recursive: bool) -> list[str]:
+        return self._listed(directory, recursive, "directory")
+
+    def _listed(self, directory: str, recursive: bool, kind: str) -> list[str]:
+        """The visible entries of type ``kind`` (fsspec's "file" or "directory") in or below ``directory``."""
         fs, where = self._fs(directory)
         fs.invalidate_cache(where)
         if not fs.isdir(where):
             return []
-        found = fs.find(where, maxdepth=None if recursive else 1)
+        found = fs.find(where, maxdepth=None if recursive else 1, withdirs=True, detail=True)
         root = where.rstrip("/") + "/"
-        relative = (p[len(root):] for p in found if p.startswith(root))
+        relative = (p[len(root):] for p, info in found.items() if p.startswith(root) and info.get("type") == kind)
         return sorted(f"{directory.rstrip('/')}/{r}" for r in relative
-                      if not any(n.startswith(".") for n in r.split("/")))
+                      if r and not any(n.startswith(".") for n in r.split("/")))
 
     def remove(self, path: str) -> None:
+        """A folder (a sharded checkpoint) goes whole: its commit file (``FOLDER_COMMIT_NAME``) first, so that no
+        reader takes what is left for a checkpoint while the rest is deleted, then every object below it."""
         url = path
         try:
             fs, where = self._fs(path)
+            if fs.isdir(where):
+                commit = f"{where.rstrip('/')}/{FOLDER_COMMIT_NAME}"
+                if fs.exists(commit):
+                    fs.rm_file(commit)
+                fs.rm(where, recursive=True)
+                fs.invalidate_cache(where)
+                return
             for url, victim in ((path, where), (data_path(path), data_path(where))):
                 if fs.exists(victim):
                     fs.rm_file(victim)

@@ -50,10 +50,18 @@ class LocalStore:
             return float("-inf")
 
     def list_files(self, directory: str, recursive: bool) -> list[str]:
+        return self._listed(directory, recursive, folders=False)
+
+    def list_folders(self, directory: str, recursive: bool) -> list[str]:
+        return self._listed(directory, recursive, folders=True)
+
+    @staticmethod
+    def _listed(directory: str, recursive: bool, folders: bool) -> list[str]:
         found: list[str] = []
         for folder, subfolders, files in os.walk(directory):
-            subfolders[:] = sorted(d for d in subfolders if recursive and not d.startswith("."))
-            found += (os.path.join(folder, f) for f in files if not f.startswith("."))
+            visible = sorted(d for d in subfolders if not d.startswith("."))
+            found += (os.path.join(folder, f) for f in (visible if folders else files) if not f.startswith("."))
+            subfolders[:] = visible if recursive else []
         return sorted(found)
 
     def remove(self, path: str) -> None:

@@ -66,8 +66,14 @@ class Store(Protocol):
         out), spelled as ``directory`` is; [] when it does not exist."""
         ...
 
+    def list_folders(self, directory: str, recursive: bool) -> list[str]:
+        """The visible folders in ``directory`` (and below it when ``recursive``), spelled as ``directory`` is; []
+        when it does not exist. A sharded checkpoint is a folder."""
+        ...
+
     def remove(self, path: str) -> None:
-        """Delete a checkpoint and its ``.data``: the checkpoint first, so no reader finds one without its data."""
+        """Delete a checkpoint and its ``.data``: the checkpoint first, so no reader finds one without its data; a
+        checkpoint folder goes whole (no hidden copy stays behind), its commit file first."""
         ...
 
     def link_or_copy(self, target: str, linkpath: str) -> None:
