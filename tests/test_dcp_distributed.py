@@ -1,5 +1,6 @@
 """Sharded checkpoints across two processes: FSDP2 (``fully_shard``) DTensor shards and their Adam state, saved at
-world size 2 (gloo on 127.0.0.1), loaded at 2 (bitwise, shard by shard) and at 1 (the same full values), and each
+world size 2 (gloo on 127.0.0.1), loaded at 2 (bitwise, shard by shard), at 1 and at 4 (the same full values,
+resharded by torch.distributed.checkpoint's planner), and each
 rank's peak memory during the save. The test starts the ranks itself (this file is their script) with a bounded
 timeout."""
 
@@ -45,7 +46,7 @@ def _worker(mode: str, path: str, out: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0 if mode == "save" else 1)  # the loading run starts from other weights
     model = _model()
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -78,9 +79,17 @@ def _worker(mode: str, path: str, out: str) -> None:
     else:
         out_tree = load_sharded(state, path)
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        model_sd, optim_sd = get_state_dict(model, opt)
-        np.savez(f"{out}/loaded{rank}.npz", **local({"state_dict": model_sd, "optimizer_states": [optim_sd]}),
-                 global_step=np.array(out_tree["global_step"]))
+        if mode == "load":
+            model_sd, optim_sd = get_state_dict(model, opt)
+            np.savez(f"{out}/loaded{rank}.npz", **local({"state_dict": model_sd, "optimizer_states": [optim_sd]}),
+                     global_step=np.array(out_tree["global_step"]))
+        else:  # another world size: the whole state, gathered, is what was saved
+            full_model, full_optim = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                                         cpu_offload=True))
+            if rank == 0:
+                full = {f"m/{k}": v.numpy() for k, v in full_model.items()}
+                full.update({f"o/{p}/{k}": v.numpy() for p, s in full_optim["state"].items() for k, v in s.items()})
+                np.savez(f"{out}/{mode}.npz", **full)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -91,12 +100,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_ranks(mode: str, path: Path, out: Path) -> None:
+def _run_ranks(mode: str, path: Path, out: Path, world_size: int = 2) -> None:
     port = _free_port()
     procs = []
-    for rank in range(2):
+    for rank in range(world_size):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+               "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
         procs.append(subprocess.Popen([sys.executable, __file__, mode, str(path), str(out)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -173,6 +182,14 @@ def test_load_at_world_size_1_has_the_same_values(saved: tuple[Path, Path]) -> N
             got = state["optimizer_states"][0]["state"][param][name]
         assert got.numpy().tobytes() == v.tobytes(), k
 
+
+def test_load_at_world_size_4_has_the_same_values(saved: tuple[Path, Path]) -> None:
+    path, out = saved
+    _run_ranks("load4", path, out, world_size=4)
+    with np.load(out / "full.npz") as want, np.load(out / "load4.npz") as got:
+        assert sorted(want.files) == sorted(got.files)
+        for k in want.files:
+            assert want[k].tobytes() == got[k].tobytes(), k
 
 
 def test_consolidation_assembles_the_shards(saved: tuple[Path, Path]) -> None:
