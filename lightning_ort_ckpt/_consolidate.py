@@ -122,7 +122,8 @@ def _renumbered(tree: dict[str, Any]) -> tuple[dict[str, Any], ModuleInfo | None
 @contextlib.contextmanager
 def single_file(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Iterator[str]:
     """``path`` itself, or, for a sharded checkpoint directory, a consolidated copy in a temporary folder for the
-    length of the block (what export, artifacts and ``ort-ckpt inspect/verify`` read: the one reader path)."""
+    length of the block (what export, artifacts and ``ort-ckpt inspect/verify`` read: the one reader path). An error
+    of ours raised in the block names ``path``, not the copy."""
     path = os.fspath(path)
     if not is_sharded_checkpoint(path, storage_options):
         yield path
@@ -131,6 +132,11 @@ def single_file(path: str | os.PathLike[str], storage_options: dict[str, Any] | 
     try:
         out = os.path.join(folder, os.path.basename(path.rstrip("/")) or "checkpoint.ckpt")
         consolidate(path, out, storage_options=storage_options)
-        yield out
+        try:
+            yield out
+        except CheckpointError as e:  # name the user's directory, not our temporary copy of it
+            e.path = path if e.path == out else e.path
+            e.args = (str(e).replace(out, path), *e.args[1:])
+            raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -3,6 +3,7 @@ layout an unsharded save gets, the CLI on a directory, and memory bounded by one
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -173,3 +174,27 @@ def test_consolidation_memory_is_one_tensor(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     for i in range(6):
         assert torch.equal(got.frozen[f"layer{i}.weight"], torch.randn(tensor_bytes // 4 // 1024, 1024, generator=g))
+
+
+def test_export_reads_a_sharded_directory_and_its_errors_name_it(
+        sharded: tuple[Path, SmallNet, torch.optim.Optimizer], tmp_path: Path) -> None:
+    from lightning_ort_ckpt.errors import CheckpointError
+    from lightning_ort_ckpt.export import export_onnx
+
+    path, model, _ = sharded
+    x = torch.from_numpy(batch()[0])
+    export_onnx(SmallNet(), path, tmp_path / "m.onnx", example_input=x)
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"))
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, copy.deepcopy(model).eval()(x).detach().numpy(), atol=1e-5)  # exported: eval
+
+    class Wider(SmallNet):  # parameter shapes the checkpoint does not have
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = torch.nn.Linear(5, 6)
+
+    with pytest.raises(CheckpointError) as e:
+        export_onnx(Wider(), path, tmp_path / "w.onnx", example_input=x)
+    assert e.value.path == str(path) and str(path) in str(e.value) and "consolidated" not in str(e.value)
