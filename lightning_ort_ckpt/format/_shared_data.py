@@ -161,8 +161,7 @@ def verify_data(path: str, offsets: dict[str, int], layout: dict[str, tuple[int,
             h = _checksums.hasher(dtype, dims)
             pos, end = offset, offset + nbytes
             while pos < end:
-                n = os.preadv(fd, [view[:min(len(buf), end - pos)]], pos) if hasattr(os, "preadv") else \
-                    _pread_into(fd, view[:min(len(buf), end - pos)], pos)
+                n = _read_at(fd, view[:min(len(buf), end - pos)], pos)
                 if n <= 0:
                     break
                 h.update(view[:n])
@@ -174,6 +173,53 @@ def verify_data(path: str, offsets: dict[str, int], layout: dict[str, tuple[int,
     finally:
         os.close(fd)
     return found, bad
+
+
+def write_copy(source: str, expected: Identity, tmp: str, offsets: dict[str, int],
+               layout: dict[str, tuple[int, tuple[int, ...], int]], digests: dict[str, int]) -> tuple[bool, list[str]]:
+    """Write an independent copy of the ``.data`` file ``source`` (if it is still the inode ``expected``) to the new
+    name ``tmp``: its bytes read and written again (never cloned, so that no block is shared), made durable and
+    read-only, then read back and hashed against ``digests`` as :func:`verify_data` does. ``(True, [])`` when the
+    copy holds the right bytes; else nothing is left at ``tmp`` and ``(False, the names whose bytes differ)``: where
+    some do, it is the source that holds them (the copy holds what was read from it)."""
+    try:
+        src = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False, []
+    try:
+        if identity(os.fstat(src)) != expected:
+            return False, []
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        try:
+            view = memoryview(bytearray(16 << 20))
+            pos = 0
+            while n := _read_at(src, view, pos):
+                done = 0
+                while done < n:
+                    done += os.write(dst, view[done:n])
+                pos += n
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False, []
+    finally:
+        os.close(src)
+    found, bad = verify_data(tmp, offsets, layout, digests)
+    if found is None or bad:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False, bad
+    return True, []
+
+
+def _read_at(fd: int, view: memoryview, pos: int) -> int:
+    """Read into ``view`` from offset ``pos``: the bytes read (0 at the end)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], pos)
+    return _pread_into(fd, view, pos)
 
 
 def _pread_into(fd: int, view: memoryview, pos: int) -> int:
