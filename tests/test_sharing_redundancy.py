@@ -181,6 +181,34 @@ def test_teardown_stops_the_background_thread_and_leaves_nothing_hidden(tmp_path
     assert all(a != b for a, b in zip(inodes[1:], inodes[2:]))
 
 
+@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "refused"])
+def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                sendfile: bool) -> None:
+    """The copy is a new inode with the same bytes (through a buffer where the kernel refuses sendfile), read back
+    against the checksums; a source that is no longer the inode asked for, or whose bytes differ, leaves nothing."""
+    sh, module, paths = run(tmp_path, 1)
+    sh.close()
+    copy = sh._copies[str(tmp_path)][0]
+    source = str(data(paths[0]))
+    if not sendfile:
+        def refuse(*args: Any) -> int:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+        monkeypatch.setattr(shared.os, "sendfile", refuse)
+    expected = shared.identity(os.stat(source))
+    tmp = str(tmp_path / ".copy.tmp")
+    assert shared.write_copy(source, expected, tmp, copy.offsets, copy.layout, copy.digests) == (True, [])
+    st = os.stat(tmp)
+    assert st.st_ino != expected[1] and st.st_nlink == 1 and not st.st_mode & 0o222
+    assert Path(tmp).read_bytes() == data(paths[0]).read_bytes()
+    os.unlink(tmp)
+    stale = (*expected[:3], expected[3] + 1)
+    assert shared.write_copy(source, stale, tmp, copy.offsets, copy.layout, copy.digests) == (False, [])
+    flip(data(paths[0]), keep_mtime=True)
+    assert shared.write_copy(source, expected, tmp, copy.offsets, copy.layout, copy.digests) == (False, [WEIGHT])
+    assert hidden(tmp_path) == []
+
+
 # -- 2. damage is found before anything links to it, and costs only its links --------------------------------------
 @pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime-moved", "mtime-restored"])
 def test_a_flipped_byte_costs_only_the_checkpoints_linking_that_file(tmp_path: Path, keep_mtime: bool) -> None:
