@@ -456,15 +456,17 @@ def _checked(copy: _Copy, count: int, path: str) -> str | None:
     source = _newest(copy)
     if copy.checking is not None:
         since, name, job = copy.checking
-        if name not in copy.names or job.done() or count - copy.verified >= VERIFY_EVERY:
+        if job.done() or count - copy.verified >= VERIFY_EVERY:
             copy.checking = None
             found, bad = job.result()
-            now = _key(name) if name in copy.names else None
-            if now is not None and found == now[0] and not _moved(copy.names[name], now):
+            # the name it read, or (retention deleted that one) another name of the same inode
+            same = sorted((n for n in copy.names if copy.names[n][0] == found), key=lambda n: n != name)
+            now = _key(same[0]) if same else None
+            if now is not None and found == now[0] and not _moved(copy.names[same[0]], now):
                 if bad:
-                    _warn_damaged(name, bad, path)
+                    _warn_damaged(same[0], bad, path)
                     return None
-                copy.verified, source = max(copy.verified, since), name
+                copy.verified, source = max(copy.verified, since), same[0]
     then, now = copy.names[source], _key(source)
     if now is None:
         return None
