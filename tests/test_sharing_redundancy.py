@@ -209,6 +209,34 @@ def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, 
     assert hidden(tmp_path) == []
 
 
+def test_read_backs_run_in_the_background_even_where_retention_deletes_the_name_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every VERIFY_EVERY saves each copy is read back, on the worker thread, started ahead: the save that relies on
+    it takes its result (waiting where it is not done), also where the name it read was deleted meanwhile (a top-2
+    deleting the oldest); no save reads a copy back itself."""
+    monkeypatch.setattr(sharing, "VERIFY_EVERY", 8)
+    threads: list[str] = []
+    verify = sharing.verify_data
+
+    def recorded(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return verify(*args)
+
+    monkeypatch.setattr(sharing, "verify_data", recorded)
+    sh, module = sharing.FrozenSharing(), frozen_module()
+    paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 25)]
+    for i, p in enumerate(paths):
+        save(sh, module, p, f"step {i + 1}")
+        if i >= 2:
+            sh.before_remove(str(paths[i - 2]))
+            atomic.remove(str(paths[i - 2]))
+            atomic.wait_for_cleanup()
+    sh.close()
+    assert len(threads) >= 4 and all(t.startswith("ort-ckpt-frozen-copies") for t in threads), threads
+    for p in paths[-2:]:
+        assert loads(p, module)
+
+
 # -- 2. damage is found before anything links to it, and costs only its links --------------------------------------
 @pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime-moved", "mtime-restored"])
 def test_a_flipped_byte_costs_only_the_checkpoints_linking_that_file(tmp_path: Path, keep_mtime: bool) -> None:
