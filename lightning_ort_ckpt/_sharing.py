@@ -23,6 +23,17 @@ alternate between them, and a file is read back against its checksums before it 
 where it deletes the last checkpoint of one copy while kept checkpoints link the other, the copy stays under a hidden
 reserve name until two copies are named by checkpoints again (:meth:`FrozenSharing.before_remove`).
 
+Off the save path: the second copy, the renewal of a copy, and the periodic read-backs are done by one worker thread
+of the :class:`FrozenSharing` (started on first need, stopped by :meth:`FrozenSharing.close` at the plugin's
+teardown, which waits for it; nothing at import, nothing global). A copy written there is a new file (the bytes
+copied in the kernel, never cloned), made durable, and read back against the checksums before any save may link it;
+a read-back is started ahead and taken by the save that links the copy, which waits for it only where it is due and
+not done. **The window with one copy**: after a save that writes the frozen part fresh with no second copy to link
+(the first save to a directory, and the first after the frozen tensors changed), the next :data:`ONE_COPY_SAVES`
+saves link that one copy while the second is written; the save after them waits for it. Those checkpoints (at most
+``1 + ONE_COPY_SAVES``) share one file: damage to it in that window takes them all, as with one copy. A renewal
+(:data:`LINKS_PER_COPY`) opens no window: the copy it replaces stays linkable until the new one is written.
+
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a
 remote (``scheme://``) path is written whole.
@@ -55,12 +66,15 @@ MIN_BYTES = 64 << 10
 MIN_TOTAL_BYTES = 1 << 20
 """Below this many bytes of frozen tensors, nothing is shared."""
 COPIES = 2
-"""Independent ``.data`` files (inodes) holding the frozen tensors among a directory's saves: a save writes a fresh
-one while fewer can be linked, else links the one linked least recently (see :class:`FrozenSharing`)."""
+"""Independent ``.data`` files (inodes) holding the frozen tensors among a directory's saves: while fewer can be
+linked, one more is written (in the background after the first), else a save links the one linked least recently
+(see :class:`FrozenSharing`)."""
 LINKS_PER_COPY = 32
-"""Saves that may link one ``.data`` file; the next writes a fresh copy (what one damaged file can take)."""
+"""Saves that may link one ``.data`` file (what one damaged file can take); its successor is written in the
+background from two links before."""
 VERIFY_EVERY = 16
-"""Saves of a directory between two full read-backs of a ``.data`` file before it is linked again."""
+"""Saves of a directory between two full read-backs of a ``.data`` file before it is linked again (each started in
+the background 3/4 of the way, and waited for only where it is not done when due)."""
 ONE_COPY_SAVES = 3
 """After the first save of a directory, the saves that may link its one copy while the second is written in the
 background (the window with one copy); the next save that would link it waits for the second instead."""
@@ -141,14 +155,17 @@ class FrozenSharing:
     """The sharing state of one plugin: the last save call's snapshot and, per directory, the independent copies of
     the frozen tensors that later saves may link.
 
-    Redundancy: a save writes a fresh ``.data`` while fewer than :data:`COPIES` copies can be linked, and else links
-    the copy linked least recently, so that consecutive saves alternate between independent files (any two of them
-    kept, every frozen byte is in two files); a copy that :data:`LINKS_PER_COPY` saves linked is replaced by a fresh
-    one (one damaged file takes at most that many checkpoints). Before a save links a copy, its bytes on disk are
-    known good: read back and hashed against the recorded checksums when its identity changed (inode, size,
-    modification time, or the change time without a change of link count: links and deletions are ours), and every
-    :data:`VERIFY_EVERY` saves in any case; a copy that fails is never linked again (a warning names the checkpoints
-    it took), and the save writes a fresh one.
+    Redundancy: a save links the copy linked least recently, so that consecutive saves alternate between independent
+    files (any two of them kept, every frozen byte is in two files); where fewer than :data:`COPIES` copies can be
+    linked, it links the copy written in the background for it (:meth:`_plan`; waiting for it once it is due, and
+    linking the one copy before: the window of :data:`ONE_COPY_SAVES` saves), or writes a fresh ``.data`` where none
+    is on its way (the first save, a damaged copy, a link refused). A copy within two links of
+    :data:`LINKS_PER_COPY` gets its successor written in the background (one damaged file takes at most that many
+    checkpoints). Before a save links a copy, its bytes on disk are known good: read back and hashed against the
+    recorded checksums when its identity changed (inode, size, modification time, or the change time without a
+    change of link count: links and deletions are ours), on the save path, and every :data:`VERIFY_EVERY` saves in
+    any case, in the background; a copy that fails is never linked again (a warning names the checkpoints it took),
+    and the save writes a fresh one.
 
     Retention may delete every checkpoint of one copy (a metric-ranked top-k keeps the best, whichever copy they
     link): :meth:`before_remove` then keeps that copy under a reserve name (``format._shared_data.keep_reserve``), and

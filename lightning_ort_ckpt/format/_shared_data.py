@@ -12,8 +12,9 @@ read-only when written, so that ONNX Runtime's own ``save_checkpoint`` to such a
 file under the other checkpoints. A process running as root is not stopped by the mode, nor is ``truncate`` or ``cp``
 over one name: that damage is bounded by the redundancy ``_sharing`` keeps (every frozen byte in two independent
 files, one of them under a hidden reserve name (:func:`keep_reserve`) where retention deleted every checkpoint of it)
-and found by :func:`verify_data` before anything links to the file again; :func:`damage_note` names the
-checkpoints one damaged file takes with it (docs/format.md).
+and found by :func:`verify_data` before anything links to the file again; :func:`write_copy` writes the
+independent copies (new blocks, never a clone, read back before use); :func:`damage_note` names the checkpoints one
+damaged file takes with it (docs/format.md).
 
 This module says what a save shares (:class:`SharedFrozen`) and what it wrote (:class:`SavedData`); deciding which
 tensors are unchanged is the caller's (``lightning_ort_ckpt._sharing``); planning and streaming are the writer's.
