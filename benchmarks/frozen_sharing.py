@@ -2,6 +2,7 @@
 
     python benchmarks/frozen_sharing.py                          # 251M frozen + 13M trainable, 6 saves + last
     python benchmarks/frozen_sharing.py --frozen-m 20 --saves 4  # quick look
+    python benchmarks/frozen_sharing.py --runs "one copy (old)"  # sharing (always) against one other run
 
 A ``LightningModule`` with a frozen backbone of ``--frozen-m`` million float32 parameters (a token embedding, two
 ``Linear(1024, 1024)`` layers and a ``BatchNorm1d`` whose running statistics change every step) and a trainable head
@@ -12,7 +13,8 @@ the oldest rotates out) and ``save_last=True`` (a copy, itself a save). Five run
 * **sharing**: ``OrtCheckpoint(share_frozen=True)`` (the default): unchanged frozen tensors stay in ``.data`` files
   that later saves hard-link, each save hashing what it links against the recorded checksums; two independent copies
   (consecutive saves alternate), a fresh copy after ``LINKS_PER_COPY`` links, a copy read back from disk before it is
-  linked when its identity changed and every ``VERIFY_EVERY`` saves (issue 24);
+  linked when its identity changed and every ``VERIFY_EVERY`` saves (issue 24); the second copy, the renewals and
+  the periodic read-backs on the plugin's background thread, outside the timed save calls;
 * **one copy (old)**: the same with the sharing of before issue 24: one ``.data`` for every save, never read back
   (``COPIES = 1``, no renewal, no read-back);
 * **trusted**: ``share_frozen="trusted"``: the same, but frozen parameters are taken on torch's version counters
