@@ -76,7 +76,8 @@ VERIFY_EVERY = 16
 """Saves of a directory between two full read-backs of a ``.data`` file before it is linked again (each started in
 the background 3/4 of the way, and waited for only where it is not done when due)."""
 ONE_COPY_SAVES = 3
-"""After the first save of a directory, the saves that may link its one copy while the second is written in the
+"""After a save that writes the frozen part fresh with no second copy to link (the first of a directory, the first
+after the frozen tensors changed), the saves that may link that one copy while the second is written in the
 background (the window with one copy); the next save that would link it waits for the second instead."""
 _REMEMBERED = 2 * COPIES  # copies remembered per directory (the newest): older ones are never linked again
 
@@ -261,7 +262,7 @@ class FrozenSharing:
 
         The copy written in the background for this directory (:meth:`_plan`) joins ``copies`` when a save finds
         fewer than :data:`COPIES` to link, once it is due (waiting for it where it is not written yet); before it is
-        due (the :data:`ONE_COPY_SAVES` saves after the directory's first), those saves link the one copy there is."""
+        due (the :data:`ONE_COPY_SAVES` saves after a fresh copy), those saves link the one copy there is."""
         while True:
             copies[:] = [c for c in copies if _reachable(c)]
             linkable = []
