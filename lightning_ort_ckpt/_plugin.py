@@ -246,6 +246,7 @@ class OrtCheckpointIOMixin:
         queue_, self._queue = self._queue, None
         if queue_ is not None:
             queue_.close()
+        self._sharing.close()
         self._stager.close()
         self._held = None
         unwrap, self._unwrap = self._unwrap, None

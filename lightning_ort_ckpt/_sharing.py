@@ -23,6 +23,17 @@ alternate between them, and a file is read back against its checksums before it 
 where it deletes the last checkpoint of one copy while kept checkpoints link the other, the copy stays under a hidden
 reserve name until two copies are named by checkpoints again (:meth:`FrozenSharing.before_remove`).
 
+Off the save path: the second copy, the renewal of a copy, and the periodic read-backs are done by one worker thread
+of the :class:`FrozenSharing` (started on first need, stopped by :meth:`FrozenSharing.close` at the plugin's
+teardown, which waits for it; nothing at import, nothing global). A copy written there is a new file (the bytes
+copied in the kernel, never cloned), made durable, and read back against the checksums before any save may link it;
+a read-back is started ahead and taken by the save that links the copy, which waits for it only where it is due and
+not done. **The window with one copy**: after a save that writes the frozen part fresh with no second copy to link
+(the first save to a directory, and the first after the frozen tensors changed), the next :data:`ONE_COPY_SAVES`
+saves link that one copy while the second is written; the save after them waits for it. Those checkpoints (at most
+``1 + ONE_COPY_SAVES``) share one file: damage to it in that window takes them all, as with one copy. A renewal
+(:data:`LINKS_PER_COPY`) opens no window: the copy it replaces stays linkable until the new one is written.
+
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a
 remote (``scheme://``) path is written whole.
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 import stat
 import warnings
 import weakref
@@ -43,9 +55,10 @@ import torch
 
 from .errors import CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, data_path, save_checkpoint
+from .format import _atomic as atomic
 from .format._checksums import param_key
 from .format._shared_data import (Identity, NotShared, SavedData, SharedFrozen, identity, is_reserve, keep_reserve,
-                                  reserves, sharing_checkpoints, verify_data)
+                                  reserves, sharing_checkpoints, verify_data, write_copy)
 from .format._writer import ExternalData
 
 MIN_BYTES = 64 << 10
@@ -53,12 +66,19 @@ MIN_BYTES = 64 << 10
 MIN_TOTAL_BYTES = 1 << 20
 """Below this many bytes of frozen tensors, nothing is shared."""
 COPIES = 2
-"""Independent ``.data`` files (inodes) holding the frozen tensors among a directory's saves: a save writes a fresh
-one while fewer can be linked, else links the one linked least recently (see :class:`FrozenSharing`)."""
+"""Independent ``.data`` files (inodes) holding the frozen tensors among a directory's saves: while fewer can be
+linked, one more is written (in the background after the first), else a save links the one linked least recently
+(see :class:`FrozenSharing`)."""
 LINKS_PER_COPY = 32
-"""Saves that may link one ``.data`` file; the next writes a fresh copy (what one damaged file can take)."""
+"""Saves that may link one ``.data`` file (what one damaged file can take); its successor is written in the
+background from two links before."""
 VERIFY_EVERY = 16
-"""Saves of a directory between two full read-backs of a ``.data`` file before it is linked again."""
+"""Saves of a directory between two full read-backs of a ``.data`` file before it is linked again (each started in
+the background 3/4 of the way, and waited for only where it is not done when due)."""
+ONE_COPY_SAVES = 3
+"""After a save that writes the frozen part fresh with no second copy to link (the first of a directory, the first
+after the frozen tensors changed), the saves that may link that one copy while the second is written in the
+background (the window with one copy); the next save that would link it waits for the second instead."""
 _REMEMBERED = 2 * COPIES  # copies remembered per directory (the newest): older ones are never linked again
 
 
@@ -74,6 +94,8 @@ class Snapshot:
     live: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]]
     params: set[str]  # the ones that are parameters (frozen ones): no forward pass changes them
     unchanged: set[str] = field(default_factory=set)  # also unchanged since the previous save call
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the live tensors of the call, held until its
+    # save is written: a module that replaces one meanwhile (async) must not make it look like another tensor
 
     @property
     def keep(self) -> set[str]:
@@ -89,8 +111,10 @@ class Snapshot:
 
     def still(self, name: str, then: tuple[weakref.ref[torch.Tensor], tuple[Any, ...]] | None) -> bool:
         """Whether ``name`` is the tensor it was in the snapshot ``then`` (same object, memory and version)."""
-        now = self.live.get(name)
-        return then is not None and now is not None and then[0]() is now[0]() is not None and then[1] == now[1]
+        now, held = self.live.get(name), self.tensors.get(name)
+        if held is None and now is not None:
+            held = now[0]()
+        return then is not None and now is not None and then[0]() is held is not None and then[1] == now[1]
 
 
 _Key = tuple[Identity, int, int]  # a .data name's identity, ctime and link count when last looked at
@@ -110,20 +134,39 @@ class _Copy:
     used: int  # the directory's save count when it was last written or linked (the least recently used is next)
     verified: int  # the save count when its bytes on disk were last read back and matched their checksums
     links: int = 0
+    temp: str | None = None  # a copy written in the background: its hidden name until a save links it
+    checking: tuple[int, str, Future[tuple[Identity | None, list[str]]]] | None = None  # a background read-back:
+    # the save count it started at, the name it reads, its result
+
+
+@dataclass
+class _Spare:
+    """An independent copy of ``source`` being written in the background to the hidden name ``tmp`` (and read
+    back), for the save that would otherwise write the frozen part fresh: from save ``due`` on, a save that finds
+    fewer than :data:`COPIES` copies to link waits for it rather than write one."""
+
+    since: int
+    due: int
+    source: _Copy
+    tmp: str
+    job: Future[tuple[bool, list[str]]]
 
 
 class FrozenSharing:
     """The sharing state of one plugin: the last save call's snapshot and, per directory, the independent copies of
     the frozen tensors that later saves may link.
 
-    Redundancy: a save writes a fresh ``.data`` while fewer than :data:`COPIES` copies can be linked, and else links
-    the copy linked least recently, so that consecutive saves alternate between independent files (any two of them
-    kept, every frozen byte is in two files); a copy that :data:`LINKS_PER_COPY` saves linked is replaced by a fresh
-    one (one damaged file takes at most that many checkpoints). Before a save links a copy, its bytes on disk are
-    known good: read back and hashed against the recorded checksums when its identity changed (inode, size,
-    modification time, or the change time without a change of link count: links and deletions are ours), and every
-    :data:`VERIFY_EVERY` saves in any case; a copy that fails is never linked again (a warning names the checkpoints
-    it took), and the save writes a fresh one.
+    Redundancy: a save links the copy linked least recently, so that consecutive saves alternate between independent
+    files (any two of them kept, every frozen byte is in two files); where fewer than :data:`COPIES` copies can be
+    linked, it links the copy written in the background for it (:meth:`_plan`; waiting for it once it is due, and
+    linking the one copy before: the window of :data:`ONE_COPY_SAVES` saves), or writes a fresh ``.data`` where none
+    is on its way (the first save, a damaged copy, a link refused). A copy within two links of
+    :data:`LINKS_PER_COPY` gets its successor written in the background (one damaged file takes at most that many
+    checkpoints). Before a save links a copy, its bytes on disk are known good: read back and hashed against the
+    recorded checksums when its identity changed (inode, size, modification time, or the change time without a
+    change of link count: links and deletions are ours), on the save path, and every :data:`VERIFY_EVERY` saves in
+    any case, in the background; a copy that fails is never linked again (a warning names the checkpoints it took),
+    and the save writes a fresh one.
 
     Retention may delete every checkpoint of one copy (a metric-ranked top-k keeps the best, whichever copy they
     link): :meth:`before_remove` then keeps that copy under a reserve name (``format._shared_data.keep_reserve``), and
@@ -140,6 +183,9 @@ class FrozenSharing:
         # tensors found changed although their version was not (BatchNorm's running statistics: its kernels update
         # them in place without bumping the counter): never shared again, always written inline
         self._volatile: set[str] = set()
+        self._spares: dict[str, _Spare] = {}  # per directory: the copy being written for later saves
+        self._worker: ThreadPoolExecutor | None = None  # background copies and read-backs; stopped by close()
+        self._unlinkable: set[str] = set()  # directories where the last link was refused: no copies written ahead
 
     def snapshot(self, ck: CheckpointContents, path: str, module: torch.nn.Module) -> Snapshot | None:
         """On the training thread, at the save call: the frozen tensors of ``ck`` that are the module's own and
@@ -155,7 +201,8 @@ class FrozenSharing:
         if sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in live) < MIN_TOTAL_BYTES:
             return None
         directory = os.path.dirname(os.path.abspath(path))
-        snap = Snapshot(directory, live, {n for n in live if isinstance(live_tensors[n], torch.nn.Parameter)})
+        snap = Snapshot(directory, live, {n for n in live if isinstance(live_tensors[n], torch.nn.Parameter)},
+                        tensors={n: live_tensors[n] for n in live})
         before = self._calls.get(directory)
         snap.unchanged = {n for n in live if before is not None and snap.still(n, before.live.get(n))}
         self._calls[directory] = snap
@@ -169,6 +216,18 @@ class FrozenSharing:
         # a failed save leaves none: the next ones start fresh (adopting the reserves it left)
         copies = self._copies.pop(snap.directory, None) or _orphans(snap.directory)
         count = self._saves[snap.directory] = self._saves.get(snap.directory, 0) + 1
+        try:
+            self._save(ck, path, snap, external_data, kept, copies, count)
+        except BaseException:
+            for c in copies:  # forgotten: a copy written for this run that no save linked goes with them
+                _drop_temp(c)
+            raise
+        finally:
+            snap.tensors.clear()
+        self._plan(snap.directory, count)
+
+    def _save(self, ck: CheckpointContents, path: str, snap: Snapshot, external_data: ExternalData,
+              kept: Collection[str], copies: list[_Copy], count: int) -> None:
         chosen, spec = self._spec(ck, snap, copies, count, path)
         copied: set[str] = set()
         while True:
@@ -184,16 +243,26 @@ class FrozenSharing:
                 # a buffer is never shared again (a forward pass changes it unseen: BatchNorm's statistics); a
                 # parameter changed through .data once: this save writes a fresh .data, and later ones share that
                 self._volatile.update(n for n in e.names if n not in snap.params)
+                if not e.names:
+                    self._unlinkable.add(snap.directory)
                 if not e.names or any(n in snap.params for n in e.names):
-                    copies = []
+                    for c in copies:
+                        _drop_temp(c)
+                    copies.clear()
                 chosen, spec = self._spec(ck, snap, copies, count, path)
         if saved is not None:
+            if saved.linked:
+                self._unlinkable.discard(snap.directory)
             self._copies[snap.directory] = self._remember(path, snap, saved, copies, chosen, count)
 
     def _spec(self, ck: CheckpointContents, snap: Snapshot, copies: list[_Copy], count: int,
               path: str) -> tuple[_Copy | None, SharedFrozen | None]:
         """The copy this save links and how, or (None, a fresh ``.data``) while fewer than :data:`COPIES` copies
-        can be linked; drops from ``copies`` those no name reaches any more and those that fail verification."""
+        can be linked; drops from ``copies`` those no name reaches any more and those that fail verification.
+
+        The copy written in the background for this directory (:meth:`_plan`) joins ``copies`` when a save finds
+        fewer than :data:`COPIES` to link, once it is due (waiting for it where it is not written yet); before it is
+        due (the :data:`ONE_COPY_SAVES` saves after a fresh copy), those saves link the one copy there is."""
         while True:
             copies[:] = [c for c in copies if _reachable(c)]
             linkable = []
@@ -203,7 +272,12 @@ class FrozenSharing:
                 shared_bytes = sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in same)
                 if shared_bytes * 2 >= c.size and shared_bytes >= MIN_TOTAL_BYTES and c.links < LINKS_PER_COPY:
                     linkable.append((c, same))
-            if len(linkable) < COPIES:
+            spare = self._spares.get(snap.directory)
+            if len(linkable) < COPIES and spare is not None and count >= spare.due:
+                del self._spares[snap.directory]
+                _resolve(spare, copies, path)
+                continue
+            if not linkable or (len(linkable) < COPIES and spare is None):
                 break
             chosen, same = min(linkable, key=lambda item: item[0].used)
             source = _checked(chosen, count, path)
@@ -227,6 +301,7 @@ class FrozenSharing:
             c.names.pop(data, None)
         key = _key(data)
         if saved.linked and chosen is not None and key is not None:
+            _drop_temp(chosen)  # a checkpoint's now
             _restat(chosen)  # one more link: their ctime and count moved
             chosen.names[data] = key
             chosen.links += 1
@@ -240,6 +315,49 @@ class FrozenSharing:
         for c in copies[:-_REMEMBERED]:
             _drop_reserves(c)
         return copies[-_REMEMBERED:]
+
+    def _plan(self, directory: str, count: int) -> None:
+        """After a save to ``directory``: start in the background what later saves will need, so that they do not
+        wait for it: the read-back of a copy once 3/4 of :data:`VERIFY_EVERY` saves passed since its last (its result
+        is taken by the save that links it next, waited for only where it is due and not done), and an independent
+        copy of the newest one while fewer than :data:`COPIES` can be linked (after the first save of a directory) or
+        one is within two links of :data:`LINKS_PER_COPY` (its renewal)."""
+        copies = [c for c in self._copies.get(directory, []) if c.offsets and c.links < LINKS_PER_COPY]
+        for c in copies:
+            if c.checking is None and c.temp is None and count - c.verified >= VERIFY_EVERY * 3 // 4:
+                name = _newest(c)
+                c.checking = (count, name, self._background(verify_data, name, c.offsets, c.layout, c.digests))
+        if not copies or directory in self._spares or directory in self._unlinkable or COPIES < 2:
+            return
+        first = len(copies) < COPIES
+        if first or any(c.links >= LINKS_PER_COPY - 2 for c in copies):
+            source = copies[-1]  # the newest: the tensors as they are now
+            name = _newest(source)
+            tmp = atomic._hidden_name(os.path.join(directory, "frozen-copy.data"), atomic._token(), "tmp")
+            job = self._background(write_copy, name, source.names[name][0], tmp, source.offsets, source.layout,
+                                   source.digests)
+            self._spares[directory] = _Spare(count, count + 1 + (ONE_COPY_SAVES if first else 0), source, tmp, job)
+
+    def _background(self, fn: Any, *args: Any) -> Future[Any]:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ort-ckpt-frozen-copies")
+        return self._worker.submit(fn, *args)
+
+    def close(self) -> None:
+        """At the plugin's teardown: wait for the background copies and read-backs, stop their thread, and delete
+        the copies written for later saves that no save linked (the copies the checkpoints link stay)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+        for spare in self._spares.values():
+            with contextlib.suppress(OSError):
+                os.unlink(spare.tmp)
+        self._spares.clear()
+        for directory, copies in self._copies.items():
+            for c in copies:
+                c.checking = None
+                _drop_temp(c)
+            self._copies[directory] = [c for c in copies if c.names]
 
     def before_remove(self, path: str) -> None:
         """Before checkpoint ``path`` is deleted (on the thread that deletes it, just before): where its ``.data`` is
@@ -315,7 +433,9 @@ def _keep_two(copies: list[_Copy], gone: str | None = None) -> list[_Copy]:
 
 
 def _drop_reserves(copy: _Copy) -> None:
-    """Delete the reserve names of ``copy`` (the inode goes with the last)."""
+    """Delete the reserve names of ``copy``, and the hidden name of one written in the background (the inode goes
+    with the last)."""
+    _drop_temp(copy)
     held = [n for n in copy.names if is_reserve(n)]
     for name in held:
         with contextlib.suppress(FileNotFoundError):
@@ -336,31 +456,84 @@ def _orphans(directory: str) -> list[_Copy]:
     return found
 
 
+def _newest(copy: _Copy) -> str:
+    """The newest name of ``copy`` (a clone: its own inode)."""
+    return max(copy.names, key=lambda n: copy.names[n][0][3])
+
+
+def _moved(then: _Key, now: _Key) -> bool:
+    """Whether a ``.data`` name changed since it was last looked at other than by our own links and deletions."""
+    return now[0] != then[0] or (now[1] != then[1] and now[2] == then[2])
+
+
 def _checked(copy: _Copy, count: int, path: str) -> str | None:
     """A name of ``copy`` whose bytes are known good, read back and verified when its identity changed or
-    :data:`VERIFY_EVERY` saves passed; None (with a warning) when they are not."""
-    source = max(copy.names, key=lambda n: copy.names[n][0][3])  # the newest name (a clone: its own inode)
+    :data:`VERIFY_EVERY` saves passed; None (with a warning) when they are not. A read-back started in the
+    background counts from the save that started it, if the name it read did not change since; it is waited for
+    where it is due."""
+    source = _newest(copy)
+    if copy.checking is not None:
+        since, name, job = copy.checking
+        if job.done() or count - copy.verified >= VERIFY_EVERY:
+            copy.checking = None
+            found, bad = job.result()
+            # the name it read, or (retention deleted that one) another name of the same inode
+            same = sorted((n for n in copy.names if copy.names[n][0] == found), key=lambda n: n != name)
+            now = _key(same[0]) if same else None
+            if now is not None and found == now[0] and not _moved(copy.names[same[0]], now):
+                if bad:
+                    _warn_damaged(same[0], bad, path)
+                    return None
+                copy.verified, source = max(copy.verified, since), same[0]
     then, now = copy.names[source], _key(source)
     if now is None:
         return None
-    moved = now[0] != then[0] or (now[1] != then[1] and now[2] == then[2])
+    moved = _moved(then, now)
     if not moved and count - copy.verified < VERIFY_EVERY:
         return source
     found, bad = verify_data(source, copy.offsets, copy.layout, copy.digests)
     if found is None or bad or found != now[0]:
-        lost = sharing_checkpoints(source[:-len(".data")])
-        what = (f"frozen tensor {bad[0]!r} ({len(bad)} in all) no longer matches the checksum recorded when it was "
-                f"written" if bad else "it could not be read back")
-        warnings.warn(f"{source}: this shared .data is damaged ({what}); {path} gets a fresh copy instead, and no "
-                      f"save links to it again. The {len(lost)} checkpoint(s) linking to it cannot be loaded: "
-                      f"{', '.join(os.path.basename(p) for p in lost) or 'none left'}", CheckpointWarning,
-                      stacklevel=4)
+        _warn_damaged(source, bad, path)
         return None
     for name, (ident, _, _) in list(copy.names.items()):
         if ident[:2] == now[0][:2]:
             copy.names[name] = now
     copy.verified = count
     return source
+
+
+def _resolve(spare: _Spare, copies: list[_Copy], path: str) -> None:
+    """Add the copy written in the background to ``copies`` (waiting for it where it is not written yet), never
+    linked before, so the next to link; where its source was found damaged while it was copied, drop that."""
+    written, bad = spare.job.result()
+    source = spare.source
+    key = _key(spare.tmp) if written else None
+    if key is not None:
+        copies.append(_Copy({spare.tmp: key}, source.offsets, source.digests, source.layout, dict(source.seen),
+                            source.size, used=-1, verified=spare.since, temp=spare.tmp))
+    elif bad and source in copies:
+        _warn_damaged(_newest(source), bad, path)
+        copies.remove(source)
+        _drop_reserves(source)
+
+
+def _warn_damaged(source: str, bad: list[str], path: str) -> None:
+    lost = sharing_checkpoints(source[:-len(".data")])
+    what = (f"frozen tensor {bad[0]!r} ({len(bad)} in all) no longer matches the checksum recorded when it was "
+            f"written" if bad else "it could not be read back")
+    warnings.warn(f"{source}: this shared .data is damaged ({what}); {path} gets a fresh copy instead, and no "
+                  f"save links to it again. The {len(lost)} checkpoint(s) linking to it cannot be loaded: "
+                  f"{', '.join(os.path.basename(p) for p in lost) or 'none left'}", CheckpointWarning, stacklevel=5)
+
+
+def _drop_temp(copy: _Copy) -> None:
+    """Delete the hidden name of a copy written in the background (once a checkpoint links it, or when it is
+    forgotten)."""
+    if copy.temp is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(copy.temp)
+        copy.names.pop(copy.temp, None)
+        copy.temp = None
 
 
 def _copy_unchanged(t: torch.Tensor, snap: Snapshot, name: str, path: str) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,10 @@ from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared
 from lightning_ort_ckpt.format._local_store import LocalStore
 from ort_reference import ort_api
-from test_frozen_sharing import ENTRY, SHARED, checkpoints, fit, inode
+from test_frozen_sharing import ENTRY, SHARED, checkpoints, fit, inode, second_copy_at_once  # noqa: F401 (autouse)
 
 WEIGHT = "weight"  # 2 MiB of frozen float32: shared
+WINDOW = sharing.ONE_COPY_SAVES  # the default (the fixture second_copy_at_once sets none)
 
 
 def frozen_module(seed: int = 0) -> torch.nn.Module:
@@ -76,6 +78,17 @@ def run(tmp_path: Path, n: int, sh: sharing.FrozenSharing | None = None,
     return sh, module, paths
 
 
+def hidden(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("."))
+
+
+def held(sh: sharing.FrozenSharing) -> threading.Event:
+    """Keep the background worker of ``sh`` busy until the event is set: what it is asked meanwhile waits."""
+    gate = threading.Event()
+    sh._background(gate.wait, 60)
+    return gate
+
+
 def flip(path: Path, keep_mtime: bool) -> None:
     """Flip one byte in the middle of ``path`` as a disk or a stray write would (mode 0444 stops no root)."""
     st = path.stat()
@@ -104,6 +117,124 @@ def test_consecutive_saves_alternate_between_two_independent_copies(tmp_path: Pa
     for p in paths:
         assert loads(p, module)
         assert not data(p).stat().st_mode & 0o222
+
+
+def test_the_second_copy_is_written_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The saves right after the first link the one copy while the second is written in the background (they do
+    not wait for it: here it cannot even start); the next save waits for it, links it, and from then on saves
+    alternate. Nothing hidden is left but what a checkpoint links; close() stops the thread."""
+    monkeypatch.setattr(sharing, "ONE_COPY_SAVES", WINDOW)  # the default, undoing the fixture's
+    window = WINDOW
+    assert window >= 1
+    sh, module = sharing.FrozenSharing(), frozen_module()
+    gate = held(sh)
+    paths = [tmp_path / f"step={i}.ckpt" for i in range(1, window + 8)]
+    for i, p in enumerate(paths[:window + 1], 1):
+        save(sh, module, p, f"step {i}")
+    spare = sh._spares[str(tmp_path)]
+    assert not spare.job.done() and not os.path.exists(spare.tmp)  # the window's saves did not wait for it
+    assert len({inode(p) for p in paths[:window + 1]}) == 1  # the window: one copy
+    gate.set()
+    for i, p in enumerate(paths[window + 1:], window + 2):
+        save(sh, module, p, f"step {i}")
+    inodes = [inode(p) for p in paths]
+    assert inodes[window + 1] != inodes[0]
+    assert all(a != b for a, b in zip(inodes[window:], inodes[window + 1:]))  # then alternating
+    assert len(set(inodes)) == 2 and hidden(tmp_path) == []  # the second copy's hidden name went when it was linked
+    sh.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ort-ckpt-frozen-copies")]
+    for p in paths:
+        assert loads(p, module)
+
+
+def test_a_copy_written_from_damaged_bytes_is_never_linked(tmp_path: Path) -> None:
+    """The background copy reads the first copy, which a flip damaged before it could (same size and mtime): the
+    copy is read back against the checksums, fails, and the save that would link it warns and writes a fresh one."""
+    sh, module = sharing.FrozenSharing(), frozen_module()
+    gate = held(sh)
+    first = tmp_path / "step=1.ckpt"
+    save(sh, module, first, "step 1")
+    flip(data(first), keep_mtime=True)
+    gate.set()
+    second = tmp_path / "step=2.ckpt"
+    with pytest.warns(CheckpointWarning, match=r"shared \.data is damaged .*step=1\.ckpt"):
+        save(sh, module, second, "step 2")
+    assert inode(second) != inode(first) and loads(second, module)
+    for i in range(3, 6):  # and nothing links the damaged one later
+        save(sh, module, tmp_path / f"step={i}.ckpt", f"step {i}")
+        assert inode(tmp_path / f"step={i}.ckpt") != inode(first) and loads(tmp_path / f"step={i}.ckpt", module)
+    sh.close()
+    assert hidden(tmp_path) == []
+
+
+def test_teardown_stops_the_background_thread_and_leaves_nothing_hidden(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fit with a window of one save: the plugin's teardown waits for the background work and stops its thread;
+    what is left in the folder is the checkpoints and their .data files."""
+    monkeypatch.setattr(sharing, "ONE_COPY_SAVES", 1)
+    fit(tmp_path / "run", steps=6)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ort-ckpt-frozen-copies")]
+    files = checkpoints(tmp_path / "run")
+    assert len(files) == 6 and hidden(tmp_path / "run") == []
+    inodes = [inode(p) for p in files]
+    assert inodes[0] == inodes[1] and len(set(inodes)) == 2  # the second save in the window, then alternating
+    assert all(a != b for a, b in zip(inodes[1:], inodes[2:]))
+
+
+@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "refused"])
+def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                sendfile: bool) -> None:
+    """The copy is a new inode with the same bytes (through a buffer where the kernel refuses sendfile), read back
+    against the checksums; a source that is no longer the inode asked for, or whose bytes differ, leaves nothing."""
+    sh, module, paths = run(tmp_path, 1)
+    sh.close()
+    copy = sh._copies[str(tmp_path)][0]
+    source = str(data(paths[0]))
+    if not sendfile:
+        def refuse(*args: Any) -> int:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+        monkeypatch.setattr(shared.os, "sendfile", refuse)
+    expected = shared.identity(os.stat(source))
+    tmp = str(tmp_path / ".copy.tmp")
+    assert shared.write_copy(source, expected, tmp, copy.offsets, copy.layout, copy.digests) == (True, [])
+    st = os.stat(tmp)
+    assert st.st_ino != expected[1] and st.st_nlink == 1 and not st.st_mode & 0o222
+    assert Path(tmp).read_bytes() == data(paths[0]).read_bytes()
+    os.unlink(tmp)
+    stale = (*expected[:3], expected[3] + 1)
+    assert shared.write_copy(source, stale, tmp, copy.offsets, copy.layout, copy.digests) == (False, [])
+    flip(data(paths[0]), keep_mtime=True)
+    assert shared.write_copy(source, expected, tmp, copy.offsets, copy.layout, copy.digests) == (False, [WEIGHT])
+    assert hidden(tmp_path) == []
+
+
+def test_read_backs_run_in_the_background_even_where_retention_deletes_the_name_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every VERIFY_EVERY saves each copy is read back, on the worker thread, started ahead: the save that relies on
+    it takes its result (waiting where it is not done), also where the name it read was deleted meanwhile (a top-2
+    deleting the oldest); no save reads a copy back itself."""
+    monkeypatch.setattr(sharing, "VERIFY_EVERY", 8)
+    threads: list[str] = []
+    verify = sharing.verify_data
+
+    def recorded(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return verify(*args)
+
+    monkeypatch.setattr(sharing, "verify_data", recorded)
+    sh, module = sharing.FrozenSharing(), frozen_module()
+    paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 25)]
+    for i, p in enumerate(paths):
+        save(sh, module, p, f"step {i + 1}")
+        if i >= 2:
+            sh.before_remove(str(paths[i - 2]))
+            atomic.remove(str(paths[i - 2]))
+            atomic.wait_for_cleanup()
+    sh.close()
+    assert len(threads) >= 4 and all(t.startswith("ort-ckpt-frozen-copies") for t in threads), threads
+    for p in paths[-2:]:
+        assert loads(p, module)
 
 
 # -- 2. damage is found before anything links to it, and costs only its links --------------------------------------
@@ -405,8 +536,9 @@ def test_a_fresh_copy_makes_the_reserve_go(tmp_path: Path, monkeypatch: pytest.M
             kept = reserve_names(tmp_path)
             assert len(kept) == 1 and kept[0].stat().st_ino != inode(p) and loads(p, module)  # the other copy
             assert kept[0].read_bytes() == data(p).read_bytes()  # the same tensors at the same offsets
-    # saves 3, 4, 5 link the reserved copy; 6 and 7 find no second copy linked fewer than twice: fresh ones
-    assert linked_reserve == [True, True, True, False, False, True]
+    # saves 3 and 4 link the reserved copy; 5 and 6 find no second copy linked fewer than twice: each links a fresh
+    # one, written in the background meanwhile; 7 links the reserve again, 8 another fresh copy
+    assert linked_reserve == [True, True, False, False, True, False]
     reserve, = reserve_names(tmp_path)
     assert not atomic._LEFTOVER.match(reserve.name) and not atomic._OLD_LEFTOVER.match(reserve.name)
     atomic._sweep_stale(str(tmp_path), relist=True)
@@ -414,3 +546,5 @@ def test_a_fresh_copy_makes_the_reserve_go(tmp_path: Path, monkeypatch: pytest.M
     assert reserve.exists()  # not a leftover of a dead save
     assert all(not shared.is_reserve(p) for p in LocalStore().list_files(str(tmp_path), False))
     assert shared.sharing_checkpoints(str(paths[-1])) == [str(paths[-1])]
+    sh.close()
+    assert hidden(tmp_path) == [reserve.name]  # the copy written for a ninth save went with close()

@@ -12,8 +12,9 @@ read-only when written, so that ONNX Runtime's own ``save_checkpoint`` to such a
 file under the other checkpoints. A process running as root is not stopped by the mode, nor is ``truncate`` or ``cp``
 over one name: that damage is bounded by the redundancy ``_sharing`` keeps (every frozen byte in two independent
 files, one of them under a hidden reserve name (:func:`keep_reserve`) where retention deleted every checkpoint of it)
-and found by :func:`verify_data` before anything links to the file again; :func:`damage_note` names the
-checkpoints one damaged file takes with it (docs/format.md).
+and found by :func:`verify_data` before anything links to the file again; :func:`write_copy` writes the
+independent copies (new blocks, never a clone, read back before use); :func:`damage_note` names the checkpoints one
+damaged file takes with it (docs/format.md).
 
 This module says what a save shares (:class:`SharedFrozen`) and what it wrote (:class:`SavedData`); deciding which
 tensors are unchanged is the caller's (``lightning_ort_ckpt._sharing``); planning and streaming are the writer's.
@@ -161,8 +162,7 @@ def verify_data(path: str, offsets: dict[str, int], layout: dict[str, tuple[int,
             h = _checksums.hasher(dtype, dims)
             pos, end = offset, offset + nbytes
             while pos < end:
-                n = os.preadv(fd, [view[:min(len(buf), end - pos)]], pos) if hasattr(os, "preadv") else \
-                    _pread_into(fd, view[:min(len(buf), end - pos)], pos)
+                n = _read_at(fd, view[:min(len(buf), end - pos)], pos)
                 if n <= 0:
                     break
                 h.update(view[:n])
@@ -174,6 +174,76 @@ def verify_data(path: str, offsets: dict[str, int], layout: dict[str, tuple[int,
     finally:
         os.close(fd)
     return found, bad
+
+
+def write_copy(source: str, expected: Identity, tmp: str, offsets: dict[str, int],
+               layout: dict[str, tuple[int, tuple[int, ...], int]], digests: dict[str, int]) -> tuple[bool, list[str]]:
+    """Write an independent copy of the ``.data`` file ``source`` (if it is still the inode ``expected``) to the new
+    name ``tmp``: its bytes read and written again (never cloned, so that no block is shared), made durable and
+    read-only, then read back and hashed against ``digests`` as :func:`verify_data` does. ``(True, [])`` when the
+    copy holds the right bytes; else nothing is left at ``tmp`` and ``(False, the names whose bytes differ)``: where
+    some do, it is the source that holds them (the copy holds what was read from it)."""
+    try:
+        src = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False, []
+    try:
+        if identity(os.fstat(src)) != expected:
+            return False, []
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        try:
+            _copy_durably(src, dst)
+        finally:
+            os.close(dst)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False, []
+    finally:
+        os.close(src)
+    found, bad = verify_data(tmp, offsets, layout, digests)
+    if found is None or bad:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False, bad
+    return True, []
+
+
+_SYNC_EVERY = 32 << 20
+
+
+def _copy_durably(src: int, dst: int) -> None:
+    """Copy the open file ``src`` to the empty ``dst`` and make it durable: in the kernel where it can
+    (``sendfile``, which writes new blocks, unlike ``copy_file_range`` that may clone them), flushed every
+    :data:`_SYNC_EVERY` bytes so that little is left dirty for a concurrent save's own fsync to wait for."""
+    flush = getattr(os, "fdatasync", os.fsync)
+    pos, view = 0, None
+    while True:
+        if view is None and sys.platform.startswith("linux"):
+            try:
+                n = os.sendfile(dst, src, pos, _SYNC_EVERY)
+            except OSError:  # not between these files here: through a buffer, from where it got to
+                view = memoryview(bytearray(16 << 20))
+                continue
+        else:
+            view = view if view is not None else memoryview(bytearray(16 << 20))
+            n = _read_at(src, view, pos)
+            done = 0
+            while done < n:
+                done += os.write(dst, view[done:n])
+        if n <= 0:
+            break
+        pos += n
+        if pos % _SYNC_EVERY < n:
+            flush(dst)
+    os.fsync(dst)
+
+
+def _read_at(fd: int, view: memoryview, pos: int) -> int:
+    """Read into ``view`` from offset ``pos``: the bytes read (0 at the end)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], pos)
+    return _pread_into(fd, view, pos)
 
 
 def _pread_into(fd: int, view: memoryview, pos: int) -> int:
