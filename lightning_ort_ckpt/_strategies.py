@@ -10,9 +10,10 @@ wrap itself is ``_lightning_adapter``'s):
   ``FSDPStrategy(state_dict_type="sharded")``): every rank writes its own shards through
   ``_dcp_storage.save_sharded``: the module state and optimizer states as Lightning built them (FSDP2's DTensors;
   FSDP1's ShardedTensors as DTensors viewing the same shards, :func:`as_dtensors`), loops, callbacks,
-  hyper-parameters and the rest as values, and each rank's random states under its rank. The checkpoint is a directory. Loading asks torch.distributed.checkpoint's ``get_*_state_dict`` helpers
-  for this run's shards and fills them through ``load_sharded``: at the same world size exactly the saved state, at
-  another one the same tensors resharded (random states are restored on the ranks that saved them);
+  hyper-parameters and the rest as values, and each rank's random states under its rank. The checkpoint is a
+  directory. Loading asks torch.distributed.checkpoint's ``get_*_state_dict`` helpers for this run's shards and
+  fills them through ``load_sharded``: at the same world size exactly the saved state, at another one the same
+  tensors resharded (random states are restored on the ranks that saved them);
 - **full state** (``save_distributed_checkpoint=False``, ``state_dict_type="full"``): Lightning gathers the state on
   every rank and rank 0 writes it through the plugin, one ORT file; every rank loads that file and hands the full
   state to ``set_model_state_dict`` / ``set_optimizer_state_dict``, which keep each rank's shard.
