@@ -16,6 +16,8 @@ run from its step-4 checkpoint; a third resumes the ModelParallel sharded one at
   attached;
 * a world-size-2 sharded checkpoint resumes at world size 1 with the same weights and optimizer state (resharded);
 * the strategy's own ``save_checkpoint`` / ``load_checkpoint`` are back once fit is over;
+* rank 0's peak memory during a full-state save stays under the gathered state plus a small constant (its own
+  launch, a larger module);
 * DeepSpeed is refused with a ``CheckpointConfigError`` naming the supported strategies, before anything trains.
 
 Lightning refuses ``FSDPStrategy`` on CPU and torch runs FSDP1 on CPU only when told the device; the script's
