@@ -7,7 +7,7 @@ sharded (``save_distributed_checkpoint=True``, ``state_dict_type="sharded"``: a 
 own shards) and full (``save_distributed_checkpoint=False``, ``state_dict_type="full"``: Lightning gathers the full
 state, rank 0 writes one ORT file). One launch runs, per mode, the uninterrupted run (8 steps, 2 epochs) and the
 first half of an interrupted one (4 steps, saved at step 4); a second launch, in fresh processes, resumes the half
-run from its step-4 checkpoint; a third resumes the ModelParallel sharded one at world size 1. Checked:
+run from its step-4 checkpoint; a third resumes the sharded ones at world size 1. Checked:
 
 * resume at the same world size is bitwise the uninterrupted run: weights, optimizer state, loop position, and each
   rank's own random states at every step after the resume;
@@ -282,7 +282,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp_path = tmp_path_factory.mktemp("sharded")
     launch(tmp_path, "first", ",".join(MODES))
     launch(tmp_path, "resume", ",".join(MODES))
-    launch(tmp_path, "one", "mp-sharded")
+    launch(tmp_path, "one", "mp-sharded,fsdp-sharded")
     return tmp_path
 
 
@@ -344,9 +344,10 @@ def test_full_state_file_trains_in_ort(runs: Path, mode: str) -> None:
         assert not [w for w in warned if "not attached" in w], warned
 
 
-def test_world_size_one_resumes_a_world_size_two_sharded_checkpoint(runs: Path) -> None:
-    assert_same_state(state(runs, "mp-sharded-half", "end"), state(runs, "mp-sharded-resumed1", "start"), "ws 1")
-    assert record(runs, "mp-sharded-resumed1", 0)["end"] == 8
+@pytest.mark.parametrize("mode", ["mp-sharded", "fsdp-sharded"])
+def test_world_size_one_resumes_a_world_size_two_sharded_checkpoint(runs: Path, mode: str) -> None:
+    assert_same_state(state(runs, f"{mode}-half", "end"), state(runs, f"{mode}-resumed1", "start"), "ws 1")
+    assert record(runs, f"{mode}-resumed1", 0)["end"] == 8
 
 
 @pytest.mark.parametrize("mode", MODES)
