@@ -167,10 +167,12 @@ def as_dtensors(tree: Any) -> Any:
 
     if isinstance(tree, ShardedTensor):
         return _dtensor_of(tree)
-    if isinstance(tree, dict):
-        return type(tree)((k, as_dtensors(v)) for k, v in tree.items())
-    if isinstance(tree, list):
-        return [as_dtensors(v) for v in tree]
+    if isinstance(tree, (dict, list)):
+        items = list(tree.items()) if isinstance(tree, dict) else list(enumerate(tree))
+        converted = [(k, as_dtensors(v)) for k, v in items]
+        if all(new is old for (_, new), (_, old) in zip(converted, items)):
+            return tree  # nothing sharded inside: the very object (any dict type, hyper-parameters included)
+        return type(tree)(converted) if isinstance(tree, dict) else [v for _, v in converted]
     return tree
 
 
@@ -184,7 +186,7 @@ def _dtensor_of(sharded: Any) -> Any:
     meta, group = sharded.metadata(), sharded._process_group
     size, ranks = tuple(meta.size), dist.get_world_size(group)
     step = math.ceil(size[0] / ranks) if size else 0
-    chunked = {(dist.get_group_rank(group, r), (r * step,) + (0,) * (len(size) - 1),
+    chunked = {(r, (r * step,) + (0,) * (len(size) - 1),
                 (min(step, size[0] - r * step),) + size[1:]) for r in range(ranks) if size and r * step < size[0]}
     saved = {(dist.get_group_rank(group, m.placement.rank()), tuple(m.shard_offsets), tuple(m.shard_sizes))
              for m in meta.shards_metadata}

@@ -397,3 +397,31 @@ def test_full_state_save_holds_the_gathered_state_once(tmp_path: Path) -> None:
     gathered, peaks = measured["gathered_mib"], measured["peaks_mib"]
     assert len(peaks) == 3 and 47 < gathered < 49
     assert max(peaks) < gathered + 12, peaks  # measured: gathered + 4 MiB
+
+
+def test_sharded_tensors_become_dtensors_over_the_same_memory(tmp_path: Path) -> None:
+    """FSDP1's ShardedTensors are saved as DTensors viewing their shards (a load fills them through the view); a
+    layout FSDP does not make (two shards on one rank here) is refused with our error, before anything is written."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    from torch.distributed.tensor import DTensor
+
+    from lightning_ort_ckpt._strategies import as_dtensors
+    from lightning_ort_ckpt.errors import CheckpointConfigError
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        local = torch.arange(12.0).reshape(3, 4)
+        tree = {"state_dict": {"w": init_from_local_shards([Shard.from_tensor_and_offsets(local, [0, 0], 0)], 3, 4)},
+                "epoch": 1, "hparams": {"lr": 0.1}}
+        converted = as_dtensors(tree)
+        dtensor = converted["state_dict"]["w"]
+        assert isinstance(dtensor, DTensor) and dtensor.shape == (3, 4)
+        assert dtensor.to_local().data_ptr() == local.data_ptr()
+        assert converted["hparams"] is tree["hparams"] and converted["epoch"] == 1
+        halves = [Shard.from_tensor_and_offsets(torch.zeros(2, 4), [0, 0], 0),
+                  Shard.from_tensor_and_offsets(torch.zeros(2, 4), [2, 0], 0)]
+        with pytest.raises(CheckpointConfigError, match="shape \\[4, 4\\] is not split along its first dimension"):
+            as_dtensors({"state_dict": {"w": init_from_local_shards(halves, 4, 4)}})
+    finally:
+        dist.destroy_process_group()
