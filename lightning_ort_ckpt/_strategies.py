@@ -8,11 +8,12 @@ wrap itself is ``_lightning_adapter``'s):
 
 - **sharded state** (``ModelParallelStrategy(save_distributed_checkpoint=True)``, the default;
   ``FSDPStrategy(state_dict_type="sharded")``): every rank writes its own shards through
-  ``_dcp_storage.save_sharded``: the module state and optimizer states as Lightning built them (DTensors or
-  ShardedTensors), loops, callbacks, hyper-parameters and the rest as values, and each rank's random states under
-  its rank. The checkpoint is a directory. Loading asks torch.distributed.checkpoint's ``get_*_state_dict`` helpers
-  for this run's shards and fills them through ``load_sharded``: at the same world size exactly the saved state, at
-  another one the same tensors resharded (random states are restored on the ranks that saved them);
+  ``_dcp_storage.save_sharded``: the module state and optimizer states as Lightning built them (FSDP2's DTensors;
+  FSDP1's ShardedTensors as DTensors viewing the same shards, :func:`as_dtensors`), loops, callbacks,
+  hyper-parameters and the rest as values, and each rank's random states under its rank. The checkpoint is a
+  directory. Loading asks torch.distributed.checkpoint's ``get_*_state_dict`` helpers for this run's shards and
+  fills them through ``load_sharded``: at the same world size exactly the saved state, at another one the same
+  tensors resharded (random states are restored on the ranks that saved them);
 - **full state** (``save_distributed_checkpoint=False``, ``state_dict_type="full"``): Lightning gathers the state on
   every rank and rank 0 writes it through the plugin, one ORT file; every rank loads that file and hands the full
   state to ``set_model_state_dict`` / ``set_optimizer_state_dict``, which keep each rank's shard.
@@ -122,7 +123,7 @@ def save_sharded_checkpoint(strategy: Any, plugin: Plugin, checkpoint: dict[str,
     path = str(strategy.broadcast(str(filepath)))
     state = {**checkpoint, WORLD_SIZE_KEY: strategy.world_size,
              RNG_KEY: {_rank_key(strategy.global_rank): pack_random_states(_rng.capture())}}
-    save_sharded(state, path, storage_options=plugin._options(storage_options))
+    save_sharded(as_dtensors(state), path, storage_options=plugin._options(storage_options))
 
 
 def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, Any]:
@@ -145,7 +146,7 @@ def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[st
     mine = isinstance(saved_ranks, int) and rank < saved_ranks
     if mine:
         state[RNG_KEY] = {_rank_key(rank): pack_random_states(_rng.capture())}
-    load_sharded(state, path, storage_options=options)
+    load_sharded(as_dtensors(state), path, storage_options=options)  # FSDP1's ShardedTensors filled through views
     strict = strategy.lightning_module.strict_loading
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for opt, opt_state in zip(strategy.optimizers, state.get("optimizer_states", [])):
@@ -155,6 +156,49 @@ def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[st
     if mine:
         checkpoint[RNG_KEY] = unpack_random_states(state[RNG_KEY][_rank_key(rank)])
     return plugin.loaded(checkpoint, path)
+
+
+def as_dtensors(tree: Any) -> Any:
+    """``tree`` with every ShardedTensor (FSDP1's sharded state dicts: ``FSDPStrategy(state_dict_type="sharded")``)
+    as a DTensor viewing the same local shard, the form our sharded saves store (FSDP2's and DCP's own): the same
+    global tensor, chunked along its first dimension over the ranks of its process group as ``torch.chunk`` does.
+    A load fills the ShardedTensor through that view. Other leaves are left as they are."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(tree, ShardedTensor):
+        return _dtensor_of(tree)
+    if isinstance(tree, (dict, list)):
+        items = list(tree.items()) if isinstance(tree, dict) else list(enumerate(tree))
+        converted = [(k, as_dtensors(v)) for k, v in items]
+        if all(new is old for (_, new), (_, old) in zip(converted, items)):
+            return tree  # nothing sharded inside: the very object (any dict type, hyper-parameters included)
+        return type(tree)(converted) if isinstance(tree, dict) else [v for _, v in converted]
+    return tree
+
+
+def _dtensor_of(sharded: Any) -> Any:
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    meta, group = sharded.metadata(), sharded._process_group
+    size, ranks = tuple(meta.size), dist.get_world_size(group)
+    step = math.ceil(size[0] / ranks) if size else 0
+    chunked = {(r, (r * step,) + (0,) * (len(size) - 1),
+                (min(step, size[0] - r * step),) + size[1:]) for r in range(ranks) if size and r * step < size[0]}
+    saved = {(dist.get_group_rank(group, m.placement.rank()), tuple(m.shard_offsets), tuple(m.shard_sizes))
+             for m in meta.shards_metadata}
+    shards = sharded.local_shards()
+    if saved != chunked or len(shards) > 1:
+        raise CheckpointConfigError(f"a sharded tensor of shape {list(size)} is not split along its first dimension "
+                                    "over the ranks as FSDP splits parameters; OrtCheckpoint saves FSDPStrategy's "
+                                    "state sharded only as FSDP (FULL_SHARD, SHARD_GRAD_OP) splits it")
+    local = shards[0].tensor if shards else torch.empty((0, *size[1:]), dtype=meta.tensor_properties.dtype)
+    mesh = DeviceMesh.from_group(group, local.device.type)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(size),
+                              stride=torch.empty(size, device="meta").stride())
 
 
 def _rank_key(rank: int) -> str:

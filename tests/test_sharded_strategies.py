@@ -2,22 +2,27 @@
 
 A standalone script (written to ``tmp_path``) trains a tiny module (a frozen layer, a buffer, two trained layers,
 AdamW over the trained ones, per-rank random noise in every step: each rank's random states decide the run) with
-``ModelParallelStrategy`` (FSDP2 ``fully_shard``, on CPU) in both save modes, ``save_distributed_checkpoint=True``
-(a sharded checkpoint: a directory, every rank writing its own shards) and ``False`` (Lightning gathers the full
+``ModelParallelStrategy`` (FSDP2 ``fully_shard``, on CPU) and ``FSDPStrategy`` (FSDP1), each in both save modes:
+sharded (``save_distributed_checkpoint=True``, ``state_dict_type="sharded"``: a directory, every rank writing its
+own shards) and full (``save_distributed_checkpoint=False``, ``state_dict_type="full"``: Lightning gathers the full
 state, rank 0 writes one ORT file). One launch runs, per mode, the uninterrupted run (8 steps, 2 epochs) and the
 first half of an interrupted one (4 steps, saved at step 4); a second launch, in fresh processes, resumes the half
-run from its step-4 checkpoint; a third resumes the sharded one at world size 1. Checked:
+run from its step-4 checkpoint; a third resumes the sharded ones at world size 1. Checked:
 
 * resume at the same world size is bitwise the uninterrupted run: weights, optimizer state, loop position, and each
   rank's own random states at every step after the resume;
 * the full-state file is a real ORT checkpoint: ORT's ``CheckpointState`` loads it with the trained layers trainable
-  and the frozen layer and buffer frozen, and no rank warns that the plugin is not attached;
+  and the frozen layer and buffer frozen, the optimizer state is the run's, and no rank warns that the plugin is not
+  attached;
 * a world-size-2 sharded checkpoint resumes at world size 1 with the same weights and optimizer state (resharded);
 * the strategy's own ``save_checkpoint`` / ``load_checkpoint`` are back once fit is over;
+* rank 0's peak memory during a full-state save stays under the gathered state plus a small constant (its own
+  launch, a larger module);
 * DeepSpeed is refused with a ``CheckpointConfigError`` naming the supported strategies, before anything trains.
 
-``FSDPStrategy`` (FSDP1) is not run here: torch refuses FSDP1 without an accelerator ("FSDP needs a non-CPU
-accelerator device"), so its test runs only where two CUDA devices are present (see ``test_fsdp_strategy``).
+Lightning refuses ``FSDPStrategy`` on CPU and torch runs FSDP1 on CPU only when told the device; the script's
+``CPUFSDPStrategy`` and ``cpu_tolerant_full_state`` (test only, documented there) get past both without touching
+the save and load code: Lightning's ``FSDPStrategy`` builds the checkpoint dicts, ours saves and loads them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,7 +43,7 @@ from lightning_ort_ckpt._dcp_storage import is_sharded_checkpoint
 from lightning_ort_ckpt._reading import read_contents
 from ort_reference import ort_api, ort_parameters
 
-MODES = ("mp-sharded", "mp-full")
+MODES = ("mp-sharded", "mp-full", "fsdp-sharded", "fsdp-full")
 CKPT = "epoch=0-step=4.ckpt"
 SCRIPT = r'''
 import hashlib, json, os, sys, warnings
@@ -110,11 +116,61 @@ class Record(pl.Callback):
                        "warnings": [str(w.message) for w in CAUGHT]}, f)
 
 
+def cpu_tolerant_full_state():
+    """Test only: torch's FSDP1 full state dicts with ``offload_to_cpu=True`` (Lightning's, for
+    ``state_dict_type="full"``) count on the move to CPU making a copy; on CPU it is a no-op returning the same memory:
+    (1) ``FlatParamHandle.to_cpu`` then frees the gathered parameters the state dict still views (a segfault),
+    (2) ``_unflatten_orig_param_states`` skips its clone, so every optimizer state of a parameter views one reused
+    gather buffer (``exp_avg`` comes out as ``exp_avg_sq``). On CPU there is nothing to move: these two do on CPU
+    what they do without offloading; on accelerators they are torch's."""
+    import contextlib
+    from torch.distributed.fsdp import _optim_utils
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    to_cpu, unflatten = FlatParamHandle.to_cpu, _optim_utils._unflatten_orig_param_states
+
+    @contextlib.contextmanager
+    def to_cpu_unless_there(self):
+        if self.device.type == "cpu":
+            yield
+        else:
+            with to_cpu(self):
+                yield
+
+    def unflatten_cloning_on_cpu(info, output_states, state_name, shard_state, to_save, cpu_offload):
+        on_cpu = info.handle.flat_param.device.type == "cpu"
+        unflatten(info, output_states, state_name, shard_state, to_save, cpu_offload and not on_cpu)
+
+    FlatParamHandle.to_cpu = to_cpu_unless_there
+    _optim_utils._unflatten_orig_param_states = unflatten_cloning_on_cpu
+
+
+cpu_tolerant_full_state()
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Test only: FSDPStrategy (FSDP1) on CPU. Lightning refuses ``FSDPStrategy`` itself without CUDA (its accelerator
+    connector checks the exact type, so a subclass passes), and hands FSDP ``device_id=root_device.index``, None on
+    CPU, for which torch asks for an accelerator; with ``device_id=torch.device("cpu")`` torch runs FSDP1 on CPU.
+    This one wraps the module itself with that device and lets Lightning's ``_setup_model`` (which leaves an FSDP
+    module as it is) do the rest; saving and loading are FSDPStrategy's (and so ours) unchanged. With it,
+    ``cpu_tolerant_full_state`` above."""
+
+    def _setup_model(self, model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        model = FullyShardedDataParallel(model, cpu_offload=self.cpu_offload,
+                                         mixed_precision=self.mixed_precision_config,
+                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                                         **self.kwargs)
+        self.kwargs.pop("auto_wrap_policy", None)  # applied: Lightning would warn that it is ignored
+        return super()._setup_model(model)
+
+
 def strategy(kind, devices):
     if kind.startswith("mp"):
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
                                      save_distributed_checkpoint=kind == "mp-sharded")
-    return FSDPStrategy(state_dict_type=kind.split("-")[1], auto_wrap_policy={nn.Linear})  # CUDA only
+    return CPUFSDPStrategy(state_dict_type=kind.split("-")[1], auto_wrap_policy={nn.Linear})
 
 
 def fit(out, kind, name, max_steps, devices=2, ckpt_path=None):
@@ -124,13 +180,62 @@ def fit(out, kind, name, max_steps, devices=2, ckpt_path=None):
     y = torch.sin(x).sum(1, keepdim=True)
     cb = OrtCheckpoint(os.path.join(out, kind, name), every_n_train_steps=4, save_top_k=-1)
     trainer = pl.Trainer(max_steps=max_steps, strategy=strategy(kind, devices), devices=devices,
-                         accelerator="cuda" if kind.startswith("fsdp") else "cpu",
+                         accelerator="cpu",
                          logger=False, callbacks=[Record(out, f"{kind}-{name}"), cb], num_sanity_val_steps=0,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(Net(kind.startswith("mp")), DataLoader(TensorDataset(x, y), batch_size=4), ckpt_path=ckpt_path)
     wrapped = sorted(k for k in ("save_checkpoint", "load_checkpoint") if k in vars(trainer.strategy))
     with open(os.path.join(out, f"{kind}-{name}.wrapped{trainer.global_rank}.json"), "w") as f:
         json.dump(wrapped, f)  # our methods are gone from the strategy once fit is over
+
+
+def memory_of_full_saves(out):
+    """Rank 0's memory during full-state saves (``mp-full``) of 4 ``nn.Linear(1024, 1024)`` trained by AdamW: the
+    peak above the memory before each save (``VmHWM``, reset through ``/proc/self/clear_refs``; the launcher has glibc
+    map every allocation of 64 KiB or more on its own, so freed memory leaves the RSS at once) and the gathered
+    state's size."""
+    class Wide(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(4))
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+            for layer in self.layers:
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            x = batch[0]
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x.square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def kb(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+    trainer = pl.Trainer(max_steps=3, strategy=strategy("mp-full", 2), devices=2, accelerator="cpu", logger=False,
+                         callbacks=[OrtCheckpoint(os.path.join(out, "memory"), every_n_train_steps=1)],
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    save, peaks = trainer.save_checkpoint, []
+
+    def measured_save(*args, **kwargs):
+        before = kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        save(*args, **kwargs)
+        peaks.append((kb("VmHWM") - before) / 1024)
+
+    trainer.save_checkpoint = measured_save
+    trainer.fit(Wide(), DataLoader(TensorDataset(torch.randn(12, 1024)), batch_size=4))
+    gathered = sum(3 * p.numel() * 4 for p in trainer.lightning_module.parameters()) / 2**20  # AdamW: 2 moments
+    if trainer.global_rank == 0:
+        with open(os.path.join(out, "memory.json"), "w") as f:
+            json.dump({"peaks_mib": peaks, "gathered_mib": gathered}, f)
 
 
 out, phase, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
@@ -143,6 +248,8 @@ with warnings.catch_warnings(record=True) as CAUGHT:
             fit(out, kind, "half", 4)
         elif phase == "resume":
             fit(out, kind, "resumed", 8, ckpt_path=os.path.join(out, kind, "half", "epoch=0-step=4.ckpt"))
+        elif phase == "memory":
+            memory_of_full_saves(out)
         else:
             fit(out, kind, "resumed1", 8, devices=1, ckpt_path=os.path.join(out, kind, "half", "epoch=0-step=4.ckpt"))
 '''
@@ -154,10 +261,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path: Path, phase: str, kinds: str, timeout: float = 240) -> None:
+def launch(tmp_path: Path, phase: str, kinds: str, timeout: float = 240, **extra_env: str) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore",
+           **extra_env}
     for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
         env.pop(name, None)  # the launcher decides these
     try:
@@ -170,11 +278,11 @@ def launch(tmp_path: Path, phase: str, kinds: str, timeout: float = 240) -> None
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The three launches (about a minute on two cores); the tests below check what they left."""
+    """The three launches (about two minutes on two cores); the tests below check what they left."""
     tmp_path = tmp_path_factory.mktemp("sharded")
     launch(tmp_path, "first", ",".join(MODES))
     launch(tmp_path, "resume", ",".join(MODES))
-    launch(tmp_path, "one", "mp-sharded")
+    launch(tmp_path, "one", "mp-sharded,fsdp-sharded")
     return tmp_path
 
 
@@ -208,31 +316,38 @@ def test_resume_is_bitwise_the_uninterrupted_run(runs: Path, mode: str) -> None:
     assert record(runs, f"{mode}-full", 0)["rng"]["4"] != record(runs, f"{mode}-full", 1)["rng"]["4"]
 
 
-def test_sharded_checkpoint_is_a_directory(runs: Path) -> None:
-    path = runs / "mp-sharded" / "half" / CKPT
+@pytest.mark.parametrize("mode", ["mp-sharded", "fsdp-sharded"])
+def test_sharded_checkpoint_is_a_directory(runs: Path, mode: str) -> None:
+    path = runs / mode / "half" / CKPT
     assert path.is_dir() and is_sharded_checkpoint(str(path))
-    assert sorted(p.name for p in (runs / "mp-sharded" / "half").iterdir()) == [CKPT]
+    assert sorted(p.name for p in (runs / mode / "half").iterdir()) == [CKPT]
 
 
-def test_full_state_file_trains_in_ort(runs: Path) -> None:
-    path = runs / "mp-full" / "half" / CKPT
+@pytest.mark.parametrize("mode", ["mp-full", "fsdp-full"])
+def test_full_state_file_trains_in_ort(runs: Path, mode: str) -> None:
+    path = runs / mode / "half" / CKPT
     contents = read_contents(path)
     assert sorted(contents.trainable) == ["l1.bias", "l1.weight", "l2.bias", "l2.weight"]
     assert {"l0.weight", "l0.bias", "scale"} <= set(contents.frozen)
     assert sorted(contents.optimizer_groups["group0"].states) == sorted(contents.trainable)
     params = ort_parameters(ort_api().CheckpointState.load_checkpoint(str(path)))
-    saved = state(runs, "mp-full-half", "end")["model"]
-    for name, tensor in saved.items():
+    saved = state(runs, f"{mode}-half", "end")
+    for name, tensor in saved["model"].items():
         assert params[name][0].tobytes() == tensor.numpy().tobytes(), name
         assert params[name][1] is (name in contents.trainable), name
+    for name, moments in contents.optimizer_groups["group0"].states.items():  # the run's, moment by moment
+        for ours, torch_name in (("momentum0", "exp_avg"), ("momentum1", "exp_avg_sq")):
+            expected = saved["optim"]["state"][name][torch_name]
+            assert np.asarray(moments[ours]).tobytes() == expected.numpy().tobytes(), (name, ours)
     for rank in (0, 1):
-        warned = record(runs, "mp-full-half", rank)["warnings"]
+        warned = record(runs, f"{mode}-half", rank)["warnings"]
         assert not [w for w in warned if "not attached" in w], warned
 
 
-def test_world_size_one_resumes_a_world_size_two_sharded_checkpoint(runs: Path) -> None:
-    assert_same_state(state(runs, "mp-sharded-half", "end"), state(runs, "mp-sharded-resumed1", "start"), "ws 1")
-    assert record(runs, "mp-sharded-resumed1", 0)["end"] == 8
+@pytest.mark.parametrize("mode", ["mp-sharded", "fsdp-sharded"])
+def test_world_size_one_resumes_a_world_size_two_sharded_checkpoint(runs: Path, mode: str) -> None:
+    assert_same_state(state(runs, f"{mode}-half", "end"), state(runs, f"{mode}-resumed1", "start"), "ws 1")
+    assert record(runs, f"{mode}-resumed1", 0)["end"] == 8
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -272,9 +387,45 @@ def test_deepspeed_is_refused_before_training(tmp_path: Path) -> None:
     assert Counting.steps == 0 and not list(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="torch runs FSDP1 (FSDPStrategy) only on accelerators")
-@pytest.mark.parametrize("mode", ["fsdp-sharded", "fsdp-full"])
-def test_fsdp_strategy(tmp_path: Path, mode: str) -> None:
-    launch(tmp_path, "first", mode)
-    launch(tmp_path, "resume", mode)
-    assert_same_state(state(tmp_path, f"{mode}-full", "end"), state(tmp_path, f"{mode}-resumed", "end"), mode)
+def test_full_state_save_holds_the_gathered_state_once(tmp_path: Path) -> None:
+    """Rank 0 writes the state Lightning gathered straight from its memory: a save's peak stays under the gathered
+    state (48 MiB) plus a small constant (the gather's own buffer for one tensor, 4 MiB, and the writer's
+    bookkeeping), every save, the first included. Lightning's ``TorchCheckpointIO`` serializes into memory first:
+    twice the state (see ``benchmarks/full_state_save.py``)."""
+    launch(tmp_path, "memory", "mp-full", MALLOC_MMAP_THRESHOLD_=str(1 << 16))
+    measured = json.loads((tmp_path / "memory.json").read_text())
+    gathered, peaks = measured["gathered_mib"], measured["peaks_mib"]
+    assert len(peaks) == 3 and 47 < gathered < 49
+    assert max(peaks) < gathered + 12, peaks  # measured: gathered + 4 MiB
+
+
+def test_sharded_tensors_become_dtensors_over_the_same_memory(tmp_path: Path) -> None:
+    """FSDP1's ShardedTensors are saved as DTensors viewing their shards (a load fills them through the view); a
+    layout FSDP does not make (two shards on one rank here) is refused with our error, before anything is written."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    from torch.distributed.tensor import DTensor
+
+    from lightning_ort_ckpt._strategies import as_dtensors
+    from lightning_ort_ckpt.errors import CheckpointConfigError
+
+    own = not dist.is_initialized()  # an in-process Trainer of another test may have left its group of one
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert dist.get_world_size() == 1
+        local = torch.arange(12.0).reshape(3, 4)
+        whole = [Shard.from_tensor_and_offsets(local, [0, 0], 0)]
+        tree = {"state_dict": {"w": init_from_local_shards(whole, 3, 4)}, "epoch": 1, "hparams": {"lr": 0.1}}
+        converted = as_dtensors(tree)
+        dtensor = converted["state_dict"]["w"]
+        assert isinstance(dtensor, DTensor) and dtensor.shape == (3, 4)
+        assert dtensor.to_local().data_ptr() == local.data_ptr()
+        assert converted["hparams"] is tree["hparams"] and converted["epoch"] == 1
+        halves = [Shard.from_tensor_and_offsets(torch.zeros(2, 4), [0, 0], 0),
+                  Shard.from_tensor_and_offsets(torch.zeros(2, 4), [2, 0], 0)]
+        with pytest.raises(CheckpointConfigError, match="shape \\[4, 4\\] is not split along its first dimension"):
+            as_dtensors({"state_dict": {"w": init_from_local_shards(halves, 4, 4)}})
+    finally:
+        if own:
+            dist.destroy_process_group()
