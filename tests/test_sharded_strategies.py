@@ -7,7 +7,8 @@ sharded (``save_distributed_checkpoint=True``, ``state_dict_type="sharded"``: a 
 own shards) and full (``save_distributed_checkpoint=False``, ``state_dict_type="full"``: Lightning gathers the full
 state, rank 0 writes one ORT file). One launch runs, per mode, the uninterrupted run (8 steps, 2 epochs) and the
 first half of an interrupted one (4 steps, saved at step 4); a second launch, in fresh processes, resumes the half
-run from its step-4 checkpoint; a third resumes the sharded ones at world size 1. Checked:
+run from its step-4 checkpoint; a third resumes the sharded ones at world size 1; a fourth resumes a copy of the half
+run's folder with ``ckpt_path="last"`` and ``save_top_k=1`` (retention of checkpoint directories). Checked:
 
 * resume at the same world size is bitwise the uninterrupted run: weights, optimizer state, loop position, and each
   rank's own random states at every step after the resume;
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -45,6 +47,7 @@ from ort_reference import ort_api, ort_parameters
 
 MODES = ("mp-sharded", "mp-full", "fsdp-sharded", "fsdp-full")
 CKPT = "epoch=0-step=4.ckpt"
+SHARDED = ("mp-sharded", "fsdp-sharded")
 SCRIPT = r'''
 import hashlib, json, os, sys, warnings
 import pytorch_lightning as pl
@@ -173,12 +176,12 @@ def strategy(kind, devices):
     return CPUFSDPStrategy(state_dict_type=kind.split("-")[1], auto_wrap_policy={nn.Linear})
 
 
-def fit(out, kind, name, max_steps, devices=2, ckpt_path=None):
+def fit(out, kind, name, max_steps, devices=2, ckpt_path=None, every=4, top_k=-1):
     pl.seed_everything(0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 8, generator=g)
     y = torch.sin(x).sum(1, keepdim=True)
-    cb = OrtCheckpoint(os.path.join(out, kind, name), every_n_train_steps=4, save_top_k=-1)
+    cb = OrtCheckpoint(os.path.join(out, kind, name), every_n_train_steps=every, save_top_k=top_k)
     trainer = pl.Trainer(max_steps=max_steps, strategy=strategy(kind, devices), devices=devices,
                          accelerator="cpu",
                          logger=False, callbacks=[Record(out, f"{kind}-{name}"), cb], num_sanity_val_steps=0,
@@ -248,6 +251,8 @@ with warnings.catch_warnings(record=True) as CAUGHT:
             fit(out, kind, "half", 4)
         elif phase == "resume":
             fit(out, kind, "resumed", 8, ckpt_path=os.path.join(out, kind, "half", "epoch=0-step=4.ckpt"))
+        elif phase == "last":  # a copy of the half run's folder: resume from "last", keep the newest save only
+            fit(out, kind, "last", 8, ckpt_path="last", every=2, top_k=1)
         elif phase == "memory":
             memory_of_full_saves(out)
         else:
@@ -283,6 +288,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     launch(tmp_path, "first", ",".join(MODES))
     launch(tmp_path, "resume", ",".join(MODES))
     launch(tmp_path, "one", "mp-sharded,fsdp-sharded")
+    for kind in SHARDED:
+        shutil.copytree(tmp_path / kind / "half", tmp_path / kind / "last")
+    launch(tmp_path, "last", ",".join(SHARDED))
     return tmp_path
 
 
@@ -316,7 +324,20 @@ def test_resume_is_bitwise_the_uninterrupted_run(runs: Path, mode: str) -> None:
     assert record(runs, f"{mode}-full", 0)["rng"]["4"] != record(runs, f"{mode}-full", 1)["rng"]["4"]
 
 
-@pytest.mark.parametrize("mode", ["mp-sharded", "fsdp-sharded"])
+@pytest.mark.parametrize("mode", SHARDED)
+def test_last_resumes_a_sharded_folder_and_retention_removes_folders_whole(runs: Path, mode: str) -> None:
+    """``fit(ckpt_path="last")`` in the half run's folder finds its step-4 checkpoint directory and ends as the
+    uninterrupted run; ``save_top_k=1`` then deletes the step-6 directory completely (nothing hidden left), keeping
+    the step-8 one, committed."""
+    assert_same_state(state(runs, f"{mode}-full", "end"), state(runs, f"{mode}-last", "end"), mode)
+    for rank in (0, 1):
+        assert (record(runs, f"{mode}-last", rank)["start"], record(runs, f"{mode}-last", rank)["end"]) == (4, 8)
+    folder = runs / mode / "last"
+    assert sorted(p.name for p in folder.iterdir()) == [CKPT, "epoch=1-step=8.ckpt"]
+    assert is_sharded_checkpoint(str(folder / "epoch=1-step=8.ckpt"))
+
+
+@pytest.mark.parametrize("mode", SHARDED)
 def test_sharded_checkpoint_is_a_directory(runs: Path, mode: str) -> None:
     path = runs / mode / "half" / CKPT
     assert path.is_dir() and is_sharded_checkpoint(str(path))
