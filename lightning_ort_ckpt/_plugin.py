@@ -274,6 +274,15 @@ class OrtCheckpointIOMixin:
         """Remember the strategy that uses this plugin, weakly: ``OrtCheckpoint`` and ``BindCheckpointIO`` call
         this in ``setup``, before anything is saved or restored."""
         self._owner = weakref.ref(strategy)
+        self._stager.prepare(self._staged_sources)
+
+    def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
+        """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate
+        its memory ahead of the first save; None while saves are synchronous."""
+        strategy = self._owner_strategy() if self.async_save else None
+        if strategy is None or strategy.lightning_module is None:
+            return None
+        return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
 
 
 def _remove(store: Store, path: str) -> None:
