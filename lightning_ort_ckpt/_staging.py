@@ -34,6 +34,7 @@ same step) reuses the first save's copies of every tensor whose version is uncha
 
 from __future__ import annotations
 
+import mmap
 import threading
 import warnings
 import weakref
@@ -51,6 +52,7 @@ _lock = threading.Lock()
 _pending: dict[int, list[_Item]] = {}  # deferred copies not finished yet, by source memory, across every plugin
 _steps = 0  # optimizer steps taken in this process while the hook was installed
 _ALIGN = 64  # bytes: where each buffer starts inside a pinned block
+_PAGE = mmap.PAGESIZE
 
 Spec = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, pinned: what a staging buffer must be to hold a copy
 
@@ -249,15 +251,21 @@ def _spec(t: torch.Tensor) -> Spec:
     return tuple(t.shape), t.dtype, t.is_cuda and torch.cuda.is_available()
 
 
-def _pin(block: torch.Tensor) -> bool:
-    """Page-lock ``block`` where it is (``cudaHostRegister``, as ``torch.distributed.checkpoint`` stages): unlike
-    ``pin_memory=True``, whose caching allocator rounds every block up to a power of two and keeps it after use,
-    this holds exactly the state's bytes and gives them back at :meth:`Stager.close`."""
-    return int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 0)) == 0
+def _pin(block: torch.Tensor) -> torch.Tensor | None:
+    """Page-lock the whole pages inside ``block`` where they are (``cudaHostRegister``, as
+    ``torch.distributed.checkpoint`` stages) and return them as a tensor, or None if CUDA refuses (the locked-memory
+    limit). Unlike ``pin_memory=True``, whose caching allocator rounds each block up to a power of two and keeps it
+    after use, this locks the state's bytes (plus at most a page) and gives them back at :meth:`Stager.close`; only
+    whole pages of our own, so no other allocation shares a locked page."""
+    start = -block.data_ptr() % _PAGE
+    pages = block[start:start + -(-(block.numel() - 2 * _PAGE) // _PAGE) * _PAGE]  # inside: 2 pages to spare
+    if int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 0)) != 0:
+        return None
+    return pages
 
 
-def _unpin(block: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+def _unpin(pages: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
 
 
 class Stager:
@@ -323,7 +331,11 @@ class Stager:
 
     def _allocate_spares(self, specs: list[Spec]) -> None:
         spares: dict[Spec, list[torch.Tensor]] = {}
-        for spec, buffer in zip(specs, self._allocate(specs, touch=True)):
+        try:
+            buffers = self._allocate(specs, touch=True)
+        except (MemoryError, RuntimeError):  # out of memory: the first save allocates, and reports it, itself
+            return
+        for spec, buffer in zip(specs, buffers):
             spares.setdefault(spec, []).append(buffer)
         self._spares = spares
 
@@ -335,30 +347,31 @@ class Stager:
     def _allocate(self, specs: list[Spec], touch: bool) -> list[torch.Tensor]:
         """Buffers for ``specs``: the pinned ones carved from one page-locked block (pinning faults every page in),
         the others separate, touched if ``touch`` (else their first copy faults them in)."""
-        out: list[torch.Tensor | None] = [None] * len(specs)
-        offsets, size = {}, 0
-        for i, (shape, dtype, pinned) in enumerate(specs):
+        out: list[torch.Tensor] = []
+        offsets, size = [], 0
+        for shape, dtype, pinned in specs:
             nbytes = torch.Size(shape).numel() * dtype.itemsize
-            if pinned and nbytes:
-                offsets[i], size = size, size + -(-nbytes // _ALIGN) * _ALIGN
-            else:
-                buffer = out[i] = torch.empty(shape, dtype=dtype)
+            offsets.append(size if pinned and nbytes else None)
+            size += -(-nbytes // _ALIGN) * _ALIGN if pinned else 0
+        block = self._pinned_block(size) if size else None
+        for (shape, dtype, _), start in zip(specs, offsets):
+            if start is None or block is None:
+                out.append(torch.empty(shape, dtype=dtype))
                 if touch:
-                    buffer.zero_()
-        if offsets:
-            block = torch.empty(size, dtype=torch.uint8)
-            if _pin(block):
-                self._pinned.append(block)
+                    out[-1].zero_()
             else:
-                warnings.warn(f"could not page-lock {size / 2**20:.0f} MiB of staging memory for asynchronous saves "
-                              "(the locked-memory limit, ulimit -l?): copies from the GPU block training while they "
-                              "run", CheckpointWarning, stacklevel=2)
-                block.fill_(0)
-            for i, start in offsets.items():
-                shape, dtype, _ = specs[i]
-                nbytes = torch.Size(shape).numel() * dtype.itemsize
-                out[i] = block[start:start + nbytes].view(dtype).view(shape)
-        return out  # type: ignore[return-value]
+                out.append(block[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape))
+        return out
+
+    def _pinned_block(self, size: int) -> torch.Tensor | None:
+        pages = _pin(torch.empty(size + 2 * _PAGE, dtype=torch.uint8))
+        if pages is None:
+            warnings.warn(f"could not page-lock {size / 2**20:.0f} MiB of staging memory for asynchronous saves (the "
+                          "locked-memory limit, ulimit -l?): the copies from the GPU block training while they run",
+                          CheckpointWarning, stacklevel=3)
+            return None
+        self._pinned.append(pages)
+        return pages
 
     def _stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -381,36 +394,59 @@ class Stager:
             _HOOK.acquire()
             self._hooked = True
         self._join_preparing()
+        entries: dict[str, torch.Tensor] = {}
+
+        def collect(where: str, t: Any) -> None:
+            if isinstance(t, StoredAs):  # staged as it is (the narrow type), converted as it is written
+                collect(where, t.tensor)
+            elif isinstance(t, torch.Tensor):
+                entries[where] = t
+
+        for n, t in ck.trainable.items():
+            collect(n, t)
+        for n, t in ck.frozen.items():
+            if n not in keep:
+                collect(n, t)
+        for g, grp in ck.optimizer_groups.items():
+            for p, ms in grp.states.items():
+                for m, t in ms.items():
+                    collect(f"{g}/{p}/{m}", t)
+
+        # memory: the previous save's buffer of the same name, else one allocated ahead, else new (one block)
+        buffers, self._buffers = self._buffers, {}
+        spares, self._spares = self._spares, {}  # those this save does not take are freed (pinned: at close)
+        specs = {where: _spec(t) for where, t in entries.items()}
+        chosen: dict[str, torch.Tensor] = {}
+        reused: set[str] = set()
+        missing = []
+        for where, spec in specs.items():
+            had = buffers.get(where)
+            free = spares.get(spec)
+            if had is not None and had[0] == spec:
+                chosen[where] = had[1]
+                reused.add(where)
+            elif free:
+                chosen[where] = free.pop()
+            else:
+                missing.append(where)
+        chosen.update(zip(missing, self._allocate([specs[w] for w in missing], touch=False)))
+
         defer = {t.data_ptr() for t in deferrable}
         live_memory = defer | {t.data_ptr() for t in live}
         job = _Copy(path)
-        buffers, self._buffers = self._buffers, {}
         sources, self._sources = self._sources, {}
-        spares, self._spares = self._spares, {}  # those this save does not take are freed (pinned: at close)
         waited = False
         streams_waited: set[torch.device] = set()
-
-        def copy_(where: str, t: Any) -> Any:
-            nonlocal waited
-            if isinstance(t, StoredAs):  # staged as it is (the narrow type), converted as it is written
-                return StoredAs(copy_(where, t.tensor), t.dtype)
-            if not isinstance(t, torch.Tensor):
-                return t
-            spec = _spec(t)
-            had = buffers.get(where)
-            fits = had is not None and had[0] == spec
-            buffer = had[1] if fits else None
+        for where, t in entries.items():
+            buffer = chosen[where]
             previous = sources.get(where)
-            if not (fits and previous is not None and previous[0].data_ptr() == t.data_ptr()
+            if not (where in reused and previous is not None and previous[0].data_ptr() == t.data_ptr()
                     and previous[0].device == t.device and previous[1:] == (t._version, _steps)):
-                if not fits:
-                    free = spares.get(spec)
-                    buffer = free.pop() if free else self._allocate([spec], touch=False)[0]
-                elif not waited:
+                if where in reused and not waited:
                     wait_for_buffers()
                     waited = True
                 deferred = t.data_ptr() in defer
-                if spec[2]:  # from a GPU: enqueued on its side stream now, after the work queued so far
+                if specs[where][2]:  # from a GPU: enqueued on its side stream now, after the work queued so far
                     stream = self._stream(t.device)
                     if t.device not in streams_waited:
                         stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -429,14 +465,18 @@ class Stager:
             # else: unchanged since the last save copied it, with no optimizer step since: reuse that copy
             if t.data_ptr() in live_memory:
                 self._sources[where] = (t, t._version, _steps)
-            self._buffers[where] = (spec, buffer)
-            return buffer
+            self._buffers[where] = (specs[where], buffer)
+
+        def put(where: str, t: Any) -> Any:
+            if isinstance(t, StoredAs):
+                return StoredAs(put(where, t.tensor), t.dtype)
+            return chosen[where] if isinstance(t, torch.Tensor) else t
 
         staged = CheckpointContents(
-            trainable={n: copy_(n, t) for n, t in ck.trainable.items()},
-            frozen={n: t if n in keep else copy_(n, t) for n, t in ck.frozen.items()},
+            trainable={n: put(n, t) for n, t in ck.trainable.items()},
+            frozen={n: t if n in keep else put(n, t) for n, t in ck.frozen.items()},
             optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
-                                                {p: {m: copy_(f"{g}/{p}/{m}", t) for m, t in ms.items()}
+                                                {p: {m: put(f"{g}/{p}/{m}", t) for m, t in ms.items()}
                                                  for p, ms in grp.states.items()})
                               for g, grp in ck.optimizer_groups.items()},
             properties=dict(ck.properties), nominal=ck.nominal)
