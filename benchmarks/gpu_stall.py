@@ -93,7 +93,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import torch
     from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
-    from lightning_ort_ckpt import OrtCheckpointIO, _staging
+    from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO, _staging
 
     cuda = not args.cpu
     directory = tempfile.mkdtemp(prefix=f"gpu_stall-{mode}-", dir=args.dir)
@@ -154,9 +154,10 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 self.future.result()
 
     saver = Saver()
+    callbacks = [saver, BindCheckpointIO()] if mode.startswith("ours") else [saver]  # ours: bound to the Trainer
     trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1, max_steps=args.steps,
                          precision=args.precision, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[saver],
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          plugins=[plugin] if plugin is not None else None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
