@@ -23,7 +23,10 @@ trains ``--steps`` steps with ``AdamW(fused=True)`` under a real ``Trainer`` (``
 The **stall** of a save is what training loses to it: the time in the save call, plus how much longer than the
 median step (of the same run, away from saves) each of the ``--after`` steps that follow it took. Each step is timed
 to the end of its GPU work on the training stream (``current_stream().synchronize()``: the side stream of our copies
-is not waited for there, so overlap is kept). The floors, timed in a process of their own on the same state (the
+is not waited for there, so overlap is kept). For our asynchronous modes it also prints the call plus the time
+optimizer steps blocked the CPU waiting for that save's copies (``async_stall.py``'s measure: on a GPU the wait is
+on the device, so this is the call alone; on CPU it is the part of the stall that step-time noise does not blur).
+The floors, timed in a process of their own on the same state (the
 module's tensors and AdamW's state, as the checkpoint holds them): a device-to-host copy into pinned memory
 (``non_blocking``, then synchronized), and into pageable memory, fresh and reused.
 
@@ -96,6 +99,10 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO, _staging
 
     cuda = not args.cpu
+    try:  # Lightning imports it in its first dump_checkpoint (hyperparameters): a cost of the process, not of a save
+        import omegaconf  # noqa: F401
+    except ImportError:
+        pass
     directory = tempfile.mkdtemp(prefix=f"gpu_stall-{mode}-", dir=args.dir)
     model, loader = build(args)
     plugin: Any = None
@@ -121,6 +128,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         def __init__(self) -> None:
             self.steps: list[float] = []
             self.saves: list[tuple[int, float]] = []  # (index of the step it followed, seconds in the call)
+            self.waits: list[float] = []  # ours: optimizer steps blocked on the CPU for each save's copies
             self.future: Any = None
             self.t0 = 0.0
 
@@ -138,6 +146,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             if mode == "none" or trainer.global_step % args.every:
                 return
             path = os.path.join(directory, f"ckpt-{trainer.global_step // args.every % 2}")
+            if self.saves:
+                self.waits.append(waited["s"] - sum(self.waits))
             t0 = time.perf_counter()
             if mode == "dcp_async":
                 import torch.distributed.checkpoint as dcp
@@ -150,6 +160,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             self.saves.append((len(self.steps) - 1, time.perf_counter() - t0))
 
         def on_train_end(self, trainer: pl.Trainer, *a: Any) -> None:
+            self.waits.append(waited["s"] - sum(self.waits))
             if self.future is not None:
                 self.future.result()
 
@@ -175,7 +186,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     with open("/proc/self/status") as f:
         vmhwm = int(next(line for line in f if line.startswith("VmHWM")).split()[1]) * 1024
     return {"mode": mode, "fit_s": fit, "median_step_s": median_step, "stalls_s": stalls,
-            "calls_s": [c for _, c in saver.saves], "waited_s": waited["s"],
+            "calls_s": [c for _, c in saver.saves], "waits_s": saver.waits[:len(saver.saves)], "waited_s": waited["s"],
             "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None, "vmhwm_bytes": vmhwm,
             "chunk_bytes": max(t.numel() * t.element_size() for t in state)}
 
@@ -309,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         gpu = f"{r['peak_gpu_bytes'] / 2**30:.2f} GiB" if r["peak_gpu_bytes"] is not None else "-"
         print(f"| {MODES[mode]} | {first} | {later} | {r['fit_s']:.2f} | {gpu} | {r['vmhwm_bytes'] / 2**30:.2f} GiB |")
 
+    for mode in ("ours_async", "ours_async_late"):
+        r = results.get(mode)
+        if r and r["calls_s"]:
+            each = [c + w for c, w in zip(r["calls_s"], r["waits_s"])]
+            print(f"{MODES[mode]}: the call plus the optimizer steps' CPU wait for its copies, first save "
+                  f"{fmt(each[0])}, later " + ", ".join(fmt(e) for e in each[1:]))
     ours, none = results.get("ours_async"), results.get("none")
     if ours and none:
         fit_ratio = ours["fit_s"] / none["fit_s"]
