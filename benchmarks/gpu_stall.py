@@ -243,7 +243,7 @@ def child(args: argparse.Namespace) -> list[str]:
 
 
 def fmt(s: float) -> str:
-    return f"{s:.3f}" if s >= 0.1 else f"{s * 1e3:.1f} ms"
+    return f"{s:.3f} s" if s >= 0.1 else f"{s * 1e3:.1f} ms"
 
 
 def main(argv: list[str] | None = None) -> int:
