@@ -6,12 +6,15 @@ next forward and backward pass meanwhile; the test checks that the optimizer ste
 wait (its update not made), releases the writer, and reads the file: it holds the save step's parameters and
 optimizer state, not the later ones. Covered: bfloat16 and float16 parameters, fused and foreach AdamW, gradient
 accumulation, and two optimizers (a step waits for the copies of its own tensors only). The staging memory is
-allocated ahead of the first save and freed at teardown. The tests marked ``cuda`` run the same on a GPU (the copy
-then runs on a side stream and the step waits on the GPU, not on the CPU) and are skipped only where there is none.
+allocated ahead of the first save and freed at teardown. The CUDA branch's order of operations (side stream, one
+event per tensor, the step's stream waiting for its own tensors' events, the writer synchronizing) runs on CPU with
+stand-ins for torch.cuda's streams and events. The tests marked ``cuda`` run on a GPU (the copy then runs on a side
+stream and the step waits on the GPU, not on the CPU) and are skipped only where there is none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -256,6 +259,69 @@ def test_a_synchronous_plugin_allocates_nothing_ahead(tmp_path: Path) -> None:
                          enable_model_summary=False)
     trainer.fit(Net(), data())
     assert counts.spares == [] and io._stager._prepare_hook is None
+
+
+class _StandInStream:
+    """Records what the staging code asks of a CUDA stream or event (for the plumbing test below)."""
+
+    def __init__(self, log: list[tuple[str, Any]], device: Any = None) -> None:
+        self.log, self.device = log, device
+
+    def wait_stream(self, other: Any) -> None:
+        self.log.append(("stream waits for the training stream", None))
+
+    def wait_event(self, event: Any) -> None:
+        self.log.append(("training stream waits", event.name))
+
+
+def test_cuda_path_order_of_operations_with_cpu_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch of staging, run on CPU with stand-ins for torch.cuda's streams and events (their order is the
+    point, not their speed): the side stream waits for the training stream once, then each copy is enqueued and
+    its event recorded at the save; a buffer (not deferred) makes the training stream wait at once; an optimizer
+    step makes its stream wait for the events of its own tensors only, without blocking; the writer synchronizes
+    every event and finds no torn tensor (the step's own update does not count); close unpins the block."""
+    log: list[tuple[str, Any]] = []
+    order = ["a", "b", "running"]  # the checkpoint's tensors, in the order staging copies them
+    created: list[Any] = []
+
+    class Event:
+        def __init__(self) -> None:
+            self.name = order[len(created)]
+            created.append(self)
+
+        def record(self, stream: Any) -> None:
+            log.append(("record", self.name))
+
+        def synchronize(self) -> None:
+            log.append(("writer synchronizes", self.name))
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _StandInStream(log, device))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _StandInStream(log, device))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(staging, "_spec", lambda t: (tuple(t.shape), t.dtype, True))
+    monkeypatch.setattr(staging, "_pin", lambda block: block[:block.numel() - 2 * staging._PAGE])
+    monkeypatch.setattr(staging, "_unpin", lambda pages: log.append(("unpin", pages.numel())))
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    running = torch.zeros(4)
+    ck = CheckpointContents(trainable={"a": a.weight.detach(), "b": b.weight.detach()}, frozen={"running": running})
+    stager = staging.Stager()
+    before = a.weight.detach().clone()
+    staged, job = stager.stage(ck, "x.ckpt", staging.optimizer_tensors([opt_a, opt_b]), [running], lambda: None)
+    assert log == [("stream waits for the training stream", None), ("record", "a"), ("record", "b"),
+                   ("record", "running"), ("training stream waits", "running")]
+    del log[:]
+    a(torch.ones(1, 4)).sum().backward()
+    opt_a.step()  # returns without the writer having run: the wait is the stream's
+    assert log == [("training stream waits", "a")]
+    del log[:]
+    job()
+    assert ("writer synchronizes", "a") in log and ("writer synchronizes", "b") in log
+    assert torch.equal(staged.trainable["a"], before)
+    stager.close()
+    assert log[-1][0] == "unpin"
 
 
 # -- on a GPU ---------------------------------------------------------------------------------------------------
