@@ -37,7 +37,6 @@ from __future__ import annotations
 import mmap
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -316,24 +315,22 @@ class Stager:
         if self._prepare_hook is not None or self._buffers:
             return
         stepped: set[int] = set()
-        stager = weakref.ref(self)
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            me = stager()
             stepped.add(id(optimizer))
-            found = sources() if me is not None else None
-            if me is None or found is None or not all(id(o) in stepped for o in found[1]):
+            found = sources()
+            if found is None or not all(id(o) in stepped for o in found[1]):
                 return
-            me._prepare_hook.remove()
-            me._prepare_hook = None
-            if me._buffers:  # a save came first: it allocated its buffers
+            self._prepare_hook.remove()
+            self._prepare_hook = None
+            if self._buffers:  # a save came first: it allocated its buffers
                 return
             tensors, optimizers = found
             state = [v for o in optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
             specs = [_spec(t) for t in [*tensors, *state]]
-            me._preparing = threading.Thread(target=me._allocate_spares, args=(specs,), name="ort-ckpt-staging",
-                                             daemon=True)
-            me._preparing.start()
+            self._preparing = threading.Thread(target=self._allocate_spares, args=(specs,), name="ort-ckpt-staging",
+                                               daemon=True)
+            self._preparing.start()
 
         self._prepare_hook = register_optimizer_step_post_hook(after_step)
 
