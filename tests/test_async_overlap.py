@@ -53,7 +53,7 @@ class Net(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-3, **{self.optimizer: True})  # eps: float16 range
 
 
-def data(device: str = "cpu") -> DataLoader:
+def data() -> DataLoader:
     g = torch.Generator().manual_seed(0)
     return DataLoader(TensorDataset(torch.randn(48, 16, generator=g), torch.randn(48, 16, generator=g)), batch_size=4)
 
@@ -95,11 +95,14 @@ class GateWriter(pl.Callback):
     def __init__(self, expect_block: bool = True) -> None:
         self.gate = threading.Event()
         self.expect_block = expect_block
+        self.stepped = threading.Event()  # the step after the save ended while the writer was still blocked
         self.expected: dict[str, torch.Tensor] = {}
         self.seen: dict[str, Any] = {}
         self._releaser: threading.Thread | None = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, *args: Any) -> None:
+        if trainer.global_step == SAVE_STEP + 1 and not self.gate.is_set():
+            self.stepped.set()
         if trainer.global_step != SAVE_STEP or self.expected:
             return
         trainer.strategy.checkpoint_io._run_later(self.gate.wait)
@@ -119,6 +122,8 @@ class GateWriter(pl.Callback):
                 self.seen["blocked"] = blocked_in_staging_wait(training)
                 current = {n: p.detach().cpu() for n, p in module.named_parameters()}
                 self.seen["unchanged while blocked"] = all(torch.equal(current[n], self.expected[n]) for n in current)
+            else:  # the step must not wait for the writer: it ends while the writer is blocked
+                self.seen["stepped while the writer was blocked"] = self.stepped.wait(LIMIT)
         finally:
             self.gate.set()
 
@@ -335,7 +340,7 @@ def test_cuda_file_holds_the_save_step_and_the_step_does_not_block(tmp_path: Pat
     save step's values."""
     module = Net(dtype, optimizer)
     gate, io, path = gated_fit(tmp_path, module, device="cuda", expect_block=False)
-    assert gate.seen == {"forward ran": True}
+    assert gate.seen == {"forward ran": True, "stepped while the writer was blocked": True}
     assert_holds_save_step(gate, path, module)
 
 
