@@ -57,16 +57,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import _rng as rng, _staging as staging
+from lightning_ort_ckpt import BindCheckpointIO, _rng as rng, _staging as staging
 
 WAITED = {"seconds": 0.0}
 """Time optimizer steps spent waiting for deferred copies: the benchmark wraps the staging module's wait."""
 _wait_for_copies = staging._wait_for_copies
 
 
-def _timed_wait() -> None:
+def _timed_wait(*args: Any) -> None:
     t0 = time.perf_counter()
-    _wait_for_copies()
+    _wait_for_copies(*args)
     WAITED["seconds"] += time.perf_counter() - t0
 
 
@@ -265,7 +265,7 @@ def fit_times(model: pl.LightningModule, data: TensorDataset, directory: str, st
         for mode in times:
             model.load_state_dict(start)
             plugin = OrtCheckpointIO(async_save=mode == "async")
-            callbacks = [EverySteps(directory, every)] if mode != "none" else []
+            callbacks = [EverySteps(directory, every), BindCheckpointIO()] if mode != "none" else []
             trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, plugins=[plugin],
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                  callbacks=callbacks)
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = SaveBench(plugin, directory, args.saves, args.warmup)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=100_000, max_epochs=-1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         plugins=[plugin], callbacks=[bench])
+                         plugins=[plugin], callbacks=[bench, BindCheckpointIO()])
     print(f"model: {n_params / 1e6:.2f}M float32 parameters ({len(model.blocks)} blocks of width {WIDTH}), AdamW; "
           f"checkpoints in {directory}", flush=True)
     os.fsync = _timed_fsync  # the format layer calls os.fsync: time it (only this process, only this run)

@@ -291,6 +291,16 @@ class OrtCheckpointIOMixin:
         if self._unwrap is not None:
             self._unwrap()
         self._unwrap = _strategies.attach(strategy, self)
+        self._stager.prepare(self._staged_sources)
+
+    def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
+        """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate
+        its memory ahead of the first save; None while saves are synchronous, and under the strategies whose state
+        is sharded or gathered (``_strategies``: reading it is a collective, which a thread must not start)."""
+        strategy = self._owner_strategy() if self.async_save else None
+        if strategy is None or strategy.lightning_module is None or _strategies.kind(strategy) is not None:
+            return None
+        return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
 
 
 def _remove(store: Store, path: str) -> None:

@@ -1,20 +1,29 @@
 """Staging for asynchronous saves: copies of a checkpoint's tensors that training cannot change, made out of its way.
 
 An asynchronous save must own the bytes it writes, because training changes its tensors as soon as the save call
-returns. :class:`Stager` makes those copies with three rules:
+returns. :class:`Stager` makes those copies with these rules:
 
 - **Bounded**: the plugin stages a save only once the previous one is written (``OrtCheckpointIO`` waits for it),
   so one checkpoint's worth of staging memory exists at a time and saves never pile up: saves asked for faster than
   the disk writes them take the disk's pace, as synchronous saves would.
-- **Reused memory**: each save copies into the previous save's buffers. A copy into memory already touched runs at
-  memcpy speed; into fresh memory it pays a page fault per page, which on VMs is slower than the disk.
+- **Reused memory, allocated ahead**: each save copies into the previous save's buffers. A copy into memory already
+  touched runs at memcpy speed; into fresh memory it pays a page fault per page, which on VMs is slower than the
+  disk. The first save's buffers are allocated and touched ahead of it (:meth:`Stager.prepare`): on a background
+  thread started after every optimizer has taken its first step (Adam's state exists only from then on), so a save
+  every N steps finds them ready. Memory for CUDA tensors is page-locked (pinned), one block for the whole state,
+  so the GPU copies into it asynchronously; it is released by :meth:`Stager.close` (the plugin's ``teardown``).
 - **Out of the training thread's way**: tensors that only an optimizer step changes (the parameters the optimizers
-  hold, and the optimizers' state) are copied on the writer thread while training runs its next forward and
-  backward pass; every optimizer step in the process waits for that copy before it updates anything (a torch
-  step pre-hook; for a step given a closure, as Lightning steps, after the closure's forward and backward). Buffers,
-  which a forward pass may update, and everything else are copied before the save call returns. If a deferred
-  tensor is changed in place before its copy is done anyway (in-place edits outside ``optimizer.step``, seen by
-  torch's version counter), the save fails loudly instead of writing a mix of two steps.
+  hold, and the optimizers' state) are deferred: on CPU they are copied on the writer thread while training runs its
+  next forward and backward pass; on CUDA they are copied from the GPU at once, but on a side stream that first waits
+  for the training stream, into pinned memory, without blocking the CPU; the writer thread waits for those copies
+  before writing. An optimizer step waits only for the copies of the tensors *it* holds (a torch step pre-hook; for
+  a step given a closure, as Lightning steps, after the closure's forward and backward): on CPU by blocking until
+  the writer made them, on CUDA by making the training stream wait for the copies' events (no CPU block). The
+  device-specific part is a :class:`CopyOrder` per tensor (``record``, ``wait_on_device``, ``synchronize``).
+  Buffers, which a forward pass may update, and everything else are copied before the save call returns (on CUDA:
+  enqueued on the side stream, the training stream waiting for them before its next kernel). If a deferred tensor
+  is changed in place before its copy is done anyway (in-place edits outside ``optimizer.step``, seen by torch's
+  version counter), the save fails loudly instead of writing a mix of two steps.
 
 Frozen parameters unchanged since the previous save call, which a save will most likely not write at all (their
 ``.data`` is linked: see ``sharing``), are not copied: the plugin names them in ``keep``.
@@ -25,24 +34,30 @@ same step) reuses the first save's copies of every tensor whose version is uncha
 
 from __future__ import annotations
 
+import mmap
 import threading
+import warnings
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .errors import CheckpointSaveError
+from .errors import CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, OptimizerGroup, StoredAs
 
 _lock = threading.Lock()
-_pending: set[_Copy] = set()  # deferred copies not finished yet, across every plugin of the process
+_pending: dict[int, list[_Item]] = {}  # deferred copies not finished yet, by source memory, across every plugin
 _steps = 0  # optimizer steps taken in this process while the hook was installed
+_ALIGN = 64  # bytes: where each buffer starts inside a pinned block
+_PAGE = mmap.PAGESIZE
+
+Spec = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, pinned: what a staging buffer must be to hold a copy
 
 
 def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """torch's global step pre-hook: no optimizer changes a parameter while a copy of it is still being made.
+    """torch's global step pre-hook: no optimizer changes a tensor while a copy of it is still being made.
 
     A step given a closure (Lightning's automatic optimization: the closure runs forward and backward inside
     ``step``) gets the closure wrapped, so the wait comes after the forward and backward pass, right before the
@@ -55,12 +70,12 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
     # torch passes the step's own arguments with the optimizer first: (optimizer, closure?) or closure=...
     closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
     if not callable(closure):
-        _wait_for_copies()
+        _wait_for_copies(optimizer)
         return None
 
     def closure_then_wait(*a: Any, **k: Any) -> Any:
         result = closure(*a, **k)
-        _wait_for_copies()
+        _wait_for_copies(optimizer)
         return result
 
     if "closure" in kwargs:
@@ -68,11 +83,20 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
     return (args[0], closure_then_wait, *args[2:]), kwargs
 
 
-def _wait_for_copies() -> None:
+def _wait_for_copies(optimizer: torch.optim.Optimizer) -> None:
+    """Order ``optimizer``'s update after the pending copies of the tensors it holds (its parameters and state), and
+    of no other: a second optimizer's pending copy does not hold this one's step."""
+    if not _pending:
+        return
+    held = optimizer_tensors([optimizer])
     with _lock:
-        copies = list(_pending)
-    for copy in copies:
-        copy.done.wait()
+        items = [item for t in held for item in _pending.get(t.data_ptr(), ())]
+    for item in items:
+        item.order.wait_on_device()
+    with _lock:
+        for item in items:  # the versions before this update: the writer's in-place check must not count it
+            if item.released is None:
+                item.released = item.source._version
 
 
 class _StepHook:
@@ -100,22 +124,109 @@ class _StepHook:
 _HOOK = _StepHook()
 
 
+class CopyOrder:
+    """When one tensor's staging copy is complete, in the terms of the device that makes it. The overlap logic
+    (who copies, who waits for what) uses only these three verbs, so it runs the same with threads on CPU and with
+    streams on CUDA."""
+
+    def record(self) -> None:
+        """The copy is issued: every wait below is for the work up to this call."""
+        raise NotImplementedError
+
+    def wait_on_device(self) -> None:
+        """Order what the training thread does next to the source after the copy (an optimizer update)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Block the calling thread (the writer) until the copy is in its buffer."""
+        raise NotImplementedError
+
+
+class HostOrder(CopyOrder):
+    """A copy the writer thread makes: ``record`` once it is made; the training thread's wait blocks it. A lock held
+    until then (a ``threading.Event`` per tensor costs a condition variable each: a few microseconds per tensor of
+    every save)."""
+
+    def __init__(self) -> None:
+        self._held = threading.Lock()
+        self._held.acquire()
+        self._recorded = False
+
+    def record(self) -> None:
+        if not self._recorded:  # only the writer thread records
+            self._recorded = True
+            self._held.release()
+
+    def wait_on_device(self) -> None:
+        if not self._recorded:
+            with self._held:
+                pass
+
+    def synchronize(self) -> None:
+        self.wait_on_device()
+
+
+class CudaOrder(CopyOrder):
+    """A copy enqueued on a side stream: ``record`` records an event after it; the training stream waits for the
+    event on the GPU (the CPU goes on), the writer thread blocks on it."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._event = torch.cuda.Event()
+
+    def record(self) -> None:
+        self._event.record(self._stream)
+
+    def wait_on_device(self) -> None:
+        torch.cuda.current_stream(self._stream.device).wait_event(self._event)
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    """One staged copy: of ``source`` into ``dest``, ordered by ``order``. ``host``: the writer thread makes it (else
+    it is enqueued already). ``deferred``: an optimizer step may change the source before the copy is done (the
+    writer checks ``version`` against the source's, or against ``released``, its version when a step let go)."""
+
+    name: str
+    source: torch.Tensor
+    dest: torch.Tensor
+    order: CopyOrder
+    host: bool
+    deferred: bool
+    version: int
+    released: int | None = None
+
+
 @dataclass(eq=False)
 class _Copy:
-    """Copies of tensors to make later, on the writer thread; ``done`` is set when they are made (or failed)."""
+    """The copies of one save to make or wait for on the writer thread, before its write; ``done`` is set when they
+    are made (or failed)."""
 
     path: str
-    items: list[tuple[str, torch.Tensor, torch.Tensor, int]] = field(default_factory=list)  # name, source, dest, version
+    items: list[_Item] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
     def __call__(self) -> None:
         try:
-            for _, source, dest, _ in self.items:
-                dest.copy_(source.detach())
-            changed = [name for name, source, _, version in self.items if source._version != version]
-            if changed:
+            torn = []
+            # copies made here first: a step blocked on one of them must not wait behind a GPU copy
+            for item in sorted(self.items, key=lambda i: not i.host):
+                if item.host:
+                    item.dest.copy_(item.source.detach())
+                    item.order.record()
+                else:
+                    item.order.synchronize()
+                if item.deferred:
+                    with _lock:
+                        seen = item.released if item.released is not None else item.source._version
+                    if seen != item.version:
+                        torn.append(item.name)
+            if torn:
                 raise CheckpointSaveError(
-                    f"{changed[0]!r} ({len(changed)} tensor(s) in all) was changed in place while its asynchronous "
+                    f"{torn[0]!r} ({len(torn)} tensor(s) in all) was changed in place while its asynchronous "
                     "save was copying it (outside optimizer.step, which waits for the copy); the file would mix two "
                     "training steps, so it was not written. Save synchronously, or make the change after the save "
                     "is durable (checkpoint_io.wait())", self.path)
@@ -123,89 +234,263 @@ class _Copy:
             self.skipped()
 
     def skipped(self) -> None:
-        """Release the optimizer steps waiting for this copy (the writer calls this when an earlier error stops
-        it from running the copy at all)."""
+        """Release the optimizer steps waiting for these copies (the writer calls this when an earlier error stops
+        it from running them at all); copies on the GPU are waited for, so their memory may be freed."""
         with _lock:
-            _pending.discard(self)
+            for item in self.items:
+                waiting = _pending.get(item.source.data_ptr())
+                if waiting is not None and item in waiting:
+                    waiting.remove(item)
+                    if not waiting:
+                        del _pending[item.source.data_ptr()]
+        for item in self.items:
+            if item.host:
+                item.order.record()
+            else:
+                item.order.synchronize()
+        self.items = []  # the sources are no longer needed
         self.done.set()
+
+
+def _spec(t: torch.Tensor) -> Spec:
+    """The buffer a copy of ``t`` needs: pinned for CUDA tensors (where CUDA is available), so the copy from the GPU
+    can run asynchronously."""
+    return tuple(t.shape), t.dtype, t.is_cuda and torch.cuda.is_available()
+
+
+def _pin(block: torch.Tensor) -> torch.Tensor | None:
+    """Page-lock the whole pages inside ``block`` where they are (``cudaHostRegister``, as
+    ``torch.distributed.checkpoint`` stages) and return them as a tensor, or None if CUDA refuses (the locked-memory
+    limit). Unlike ``pin_memory=True``, whose caching allocator rounds each block up to a power of two and keeps it
+    after use, this locks the state's bytes (plus at most a page) and gives them back at :meth:`Stager.close`; only
+    whole pages of our own, so no other allocation shares a locked page."""
+    start = -block.data_ptr() % _PAGE
+    pages = block[start:start + -(-(block.numel() - 2 * _PAGE) // _PAGE) * _PAGE]  # inside: 2 pages to spare
+    if int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), pages.numel(), 0)) != 0:
+        return None
+    return pages
+
+
+def _unpin(pages: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pages.data_ptr())
 
 
 class Stager:
     """The staging memory of one plugin, reused from save to save."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, tuple[Spec, torch.Tensor]] = {}
         # what each buffer holds a copy of, for tensors of the live module or optimizers: the source tensor (held, so
         # its memory cannot be freed and handed to another tensor meanwhile), its version and the step count then
         self._sources: dict[str, tuple[torch.Tensor, int, int]] = {}
+        self._spares: dict[Spec, list[torch.Tensor]] = {}  # allocated ahead (prepare), not used by a save yet
+        self._pinned: list[torch.Tensor] = []  # page-locked blocks, unpinned at close
+        self._streams: dict[torch.device, Any] = {}  # the side stream of each GPU
         self._hooked = False
+        self._prepare_hook: Any = None
+        self._preparing: threading.Thread | None = None
 
     def close(self) -> None:
-        """Free the staging memory and stop holding the optimizer step hook (once every save is written)."""
-        self._buffers, self._sources = {}, {}
+        """Free the staging memory and stop holding the optimizer step hooks (once every save is written)."""
+        if self._prepare_hook is not None:
+            self._prepare_hook.remove()
+            self._prepare_hook = None
+        self._join_preparing()
+        self._buffers, self._sources, self._spares, self._streams = {}, {}, {}, {}
+        pinned, self._pinned = self._pinned, []
+        for block in pinned:
+            _unpin(block)
         if self._hooked:
             self._hooked = False
             _HOOK.release()
+
+    def prepare(self, sources: Callable[[], tuple[list[torch.Tensor], list[torch.optim.Optimizer]] | None]) -> None:
+        """Allocate (and touch, or pin) the first save's staging memory ahead of it, on a background thread.
+
+        ``sources`` says what a save will stage: the module's tensors and the optimizers, or None while the plugin
+        saves synchronously. It is asked after each optimizer step until every one of those optimizers has stepped
+        once (optimizers like Adam create their state in their first step); the memory is then allocated on a
+        thread of its own, which the first save joins. Touching fresh memory costs a page fault per page and
+        pinning it more: off the training thread, a save every N steps finds it done."""
+        if self._prepare_hook is not None or self._buffers:
+            return
+        stepped: set[int] = set()
+
+        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            stepped.add(id(optimizer))
+            found = sources()
+            if found is None or not all(id(o) in stepped for o in found[1]):
+                return
+            self._prepare_hook.remove()
+            self._prepare_hook = None
+            if self._buffers:  # a save came first: it allocated its buffers
+                return
+            tensors, optimizers = found
+            state = [v for o in optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            specs = [_spec(t) for t in [*tensors, *state]]
+            self._preparing = threading.Thread(target=self._allocate_spares, args=(specs,), name="ort-ckpt-staging",
+                                               daemon=True)
+            self._preparing.start()
+
+        self._prepare_hook = register_optimizer_step_post_hook(after_step)
+
+    def _allocate_spares(self, specs: list[Spec]) -> None:
+        spares: dict[Spec, list[torch.Tensor]] = {}
+        try:
+            buffers = self._allocate(specs, touch=True)
+        except (MemoryError, RuntimeError):  # out of memory: the first save allocates, and reports it, itself
+            return
+        for spec, buffer in zip(specs, buffers):
+            spares.setdefault(spec, []).append(buffer)
+        self._spares = spares
+
+    def _join_preparing(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+
+    def _allocate(self, specs: list[Spec], touch: bool) -> list[torch.Tensor]:
+        """Buffers for ``specs``: the pinned ones carved from one page-locked block (pinning faults every page in),
+        the others separate, touched if ``touch`` (else their first copy faults them in)."""
+        out: list[torch.Tensor] = []
+        offsets, size = [], 0
+        for shape, dtype, pinned in specs:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            offsets.append(size if pinned and nbytes else None)
+            size += -(-nbytes // _ALIGN) * _ALIGN if pinned else 0
+        block = self._pinned_block(size) if size else None
+        for (shape, dtype, _), start in zip(specs, offsets):
+            if start is None or block is None:
+                out.append(torch.empty(shape, dtype=dtype))
+                if touch:
+                    out[-1].zero_()
+            else:
+                out.append(block[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape))
+        return out
+
+    def _pinned_block(self, size: int) -> torch.Tensor | None:
+        pages = _pin(torch.empty(size + 2 * _PAGE, dtype=torch.uint8))
+        if pages is None:
+            warnings.warn(f"could not page-lock {size / 2**20:.0f} MiB of staging memory for asynchronous saves (the "
+                          "locked-memory limit, ulimit -l?): the copies from the GPU block training while they run",
+                          CheckpointWarning, stacklevel=3)
+            return None
+        self._pinned.append(pages)
+        return pages
+
+    def _stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def stage(self, ck: CheckpointContents, path: str, deferrable: Iterable[torch.Tensor], live: Iterable[torch.Tensor],
               wait_for_buffers: Callable[[], None], keep: Collection[str] = ()) -> tuple[CheckpointContents, _Copy]:
         """``ck`` with every tensor replaced by a buffer of its own.
 
         Tensors that share memory with ``deferrable`` (parameters the optimizers hold, and their state) are copied
-        by the returned job (run it on the writer thread, before the write); all others now. A tensor of ``live``
-        (the module's parameters and buffers, and ``deferrable``) unchanged since the previous save, with no
-        optimizer step since, reuses that save's copy. ``wait_for_buffers`` is called before the first copy into
-        memory that an earlier save may still be writing from: a save that reuses every copy waits for nothing.
-        Frozen tensors named in ``keep`` stay the live ones, uncopied (``sharing``: unchanged frozen tensors that the
-        save will most likely not write at all)."""
+        by the returned job (run it on the writer thread, before the write; CUDA ones are enqueued now, and the job
+        waits for them); all others now. A tensor of ``live`` (the module's parameters and buffers, and
+        ``deferrable``) unchanged since the previous save, with no optimizer step since, reuses that save's copy.
+        ``wait_for_buffers`` is called before the first copy into memory that an earlier save may still be writing
+        from: a save that reuses every copy waits for nothing. Frozen tensors named in ``keep`` stay the live ones,
+        uncopied (``sharing``: unchanged frozen tensors that the save will most likely not write at all)."""
         if not self._hooked:
             _HOOK.acquire()
             self._hooked = True
-        defer = {t.data_ptr() for t in deferrable if t.device.type == "cpu"}
+        self._join_preparing()
+        entries: dict[str, torch.Tensor] = {}
+
+        def collect(where: str, t: Any) -> None:
+            if isinstance(t, StoredAs):  # staged as it is (the narrow type), converted as it is written
+                collect(where, t.tensor)
+            elif isinstance(t, torch.Tensor):
+                entries[where] = t
+
+        for n, t in ck.trainable.items():
+            collect(n, t)
+        for n, t in ck.frozen.items():
+            if n not in keep:
+                collect(n, t)
+        for g, grp in ck.optimizer_groups.items():
+            for p, ms in grp.states.items():
+                for m, t in ms.items():
+                    collect(f"{g}/{p}/{m}", t)
+
+        # memory: the previous save's buffer of the same name, else one allocated ahead, else new (one block)
+        buffers, self._buffers = self._buffers, {}
+        spares, self._spares = self._spares, {}  # those this save does not take are freed (pinned: at close)
+        specs = {where: _spec(t) for where, t in entries.items()}
+        chosen: dict[str, torch.Tensor] = {}
+        reused: set[str] = set()
+        missing = []
+        for where, spec in specs.items():
+            had = buffers.get(where)
+            free = spares.get(spec)
+            if had is not None and had[0] == spec:
+                chosen[where] = had[1]
+                reused.add(where)
+            elif free:
+                chosen[where] = free.pop()
+            else:
+                missing.append(where)
+        chosen.update(zip(missing, self._allocate([specs[w] for w in missing], touch=False)))
+
+        defer = {t.data_ptr() for t in deferrable}
         live_memory = defer | {t.data_ptr() for t in live}
         job = _Copy(path)
-        buffers, self._buffers = self._buffers, {}
         sources, self._sources = self._sources, {}
         waited = False
-
-        def copy_(where: str, t: Any) -> Any:
-            nonlocal waited
-            if isinstance(t, StoredAs):  # staged as it is (the narrow type), converted as it is written
-                return StoredAs(copy_(where, t.tensor), t.dtype)
-            if not isinstance(t, torch.Tensor):
-                return t
-            buffer = buffers.get(where)
-            fits = buffer is not None and buffer.shape == t.shape and buffer.dtype == t.dtype
+        streams_waited: set[torch.device] = set()
+        for where, t in entries.items():
+            buffer = chosen[where]
             previous = sources.get(where)
-            if not (fits and previous is not None and previous[0].data_ptr() == t.data_ptr()
+            if not (where in reused and previous is not None and previous[0].data_ptr() == t.data_ptr()
                     and previous[0].device == t.device and previous[1:] == (t._version, _steps)):
-                if not fits:
-                    buffer = torch.empty(t.shape, dtype=t.dtype)
-                elif not waited:
+                if where in reused and not waited:
                     wait_for_buffers()
                     waited = True
-                if t.data_ptr() in defer:
-                    job.items.append((where, t, buffer, t._version))
+                deferred = t.data_ptr() in defer
+                if specs[where][2]:  # from a GPU: enqueued on its side stream now, after the work queued so far
+                    stream = self._stream(t.device)
+                    if t.device not in streams_waited:
+                        stream.wait_stream(torch.cuda.current_stream(t.device))
+                        streams_waited.add(t.device)
+                    order: CopyOrder = CudaOrder(stream)
+                    with torch.cuda.stream(stream):
+                        buffer.copy_(t.detach(), non_blocking=True)
+                    order.record()
+                    if not deferred:  # a forward pass may change it: the training stream waits for its copy
+                        order.wait_on_device()
+                    job.items.append(_Item(where, t, buffer, order, False, deferred, t._version))
+                elif deferred:
+                    job.items.append(_Item(where, t, buffer, HostOrder(), True, True, t._version))
                 else:
                     buffer.copy_(t.detach())
             # else: unchanged since the last save copied it, with no optimizer step since: reuse that copy
             if t.data_ptr() in live_memory:
                 self._sources[where] = (t, t._version, _steps)
-            self._buffers[where] = buffer
-            return buffer
+            self._buffers[where] = (specs[where], buffer)
+
+        def put(where: str, t: Any) -> Any:
+            if isinstance(t, StoredAs):
+                return StoredAs(put(where, t.tensor), t.dtype)
+            return chosen[where] if isinstance(t, torch.Tensor) else t
 
         staged = CheckpointContents(
-            trainable={n: copy_(n, t) for n, t in ck.trainable.items()},
-            frozen={n: t if n in keep else copy_(n, t) for n, t in ck.frozen.items()},
+            trainable={n: put(n, t) for n, t in ck.trainable.items()},
+            frozen={n: t if n in keep else put(n, t) for n, t in ck.frozen.items()},
             optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
-                                                {p: {m: copy_(f"{g}/{p}/{m}", t) for m, t in ms.items()}
+                                                {p: {m: put(f"{g}/{p}/{m}", t) for m, t in ms.items()}
                                                  for p, ms in grp.states.items()})
                               for g, grp in ck.optimizer_groups.items()},
             properties=dict(ck.properties), nominal=ck.nominal)
-        if job.items:
+        deferred_items = [item for item in job.items if item.deferred]
+        if deferred_items:
             with _lock:
-                _pending.add(job)
-        else:
+                for item in deferred_items:
+                    _pending.setdefault(item.source.data_ptr(), []).append(item)
+        if not job.items:
             job.done.set()
         return staged, job
 
