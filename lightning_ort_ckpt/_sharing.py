@@ -136,7 +136,10 @@ class _Copy:
     links: int = 0
     temp: str | None = None  # a copy written in the background: its hidden name until a save links it
     checking: tuple[int, str, Future[tuple[Identity | None, list[str]]]] | None = None  # a background read-back:
-    # the save count it started at, the name it reads, its result
+    # the save count it started at, the name it reads first, its result
+    leaving: int = 0  # our deletions of its names announced (before_remove, a save replacing one) since they were
+    # last recorded: a deletion renames the name away first and unlinks it later, so meanwhile the change time moves
+    # with the link count unchanged
 
 
 @dataclass
@@ -164,9 +167,11 @@ class FrozenSharing:
     :data:`LINKS_PER_COPY` gets its successor written in the background (one damaged file takes at most that many
     checkpoints). Before a save links a copy, its bytes on disk are known good: read back and hashed against the
     recorded checksums when its identity changed (inode, size, modification time, or the change time without a
-    change of link count: links and deletions are ours), on the save path, and every :data:`VERIFY_EVERY` saves in
-    any case, in the background; a copy that fails is never linked again (a warning names the checkpoints it took),
-    and the save writes a fresh one.
+    change of link count: links and deletions are ours, and change both once done; one of our deletions under way,
+    renamed away and not yet unlinked, explains a change time alone), on the save path, and every
+    :data:`VERIFY_EVERY` saves in any case, in the background (reading the newest name of the copy that still
+    opens: retention may delete names meanwhile); a copy that fails is never linked again (a warning names the
+    checkpoints it took), and the save writes a fresh one.
 
     Retention may delete every checkpoint of one copy (a metric-ranked top-k keeps the best, whichever copy they
     link): :meth:`before_remove` then keeps that copy under a reserve name (``format._shared_data.keep_reserve``), and
@@ -297,8 +302,9 @@ class FrozenSharing:
     def _remember(self, path: str, snap: Snapshot, saved: SavedData, copies: list[_Copy], chosen: _Copy | None,
                   count: int) -> list[_Copy]:
         data = data_path(os.path.abspath(path))
-        for c in copies:  # this name now reaches what this save put there
-            c.names.pop(data, None)
+        for c in copies:  # this name now reaches what this save put there (the save deleted what it held before)
+            if c.names.pop(data, None) is not None and c is not chosen:
+                c.leaving += 1
         key = _key(data)
         if saved.linked and chosen is not None and key is not None:
             _drop_temp(chosen)  # a checkpoint's now
@@ -325,8 +331,8 @@ class FrozenSharing:
         copies = [c for c in self._copies.get(directory, []) if c.offsets and c.links < LINKS_PER_COPY]
         for c in copies:
             if c.checking is None and c.temp is None and count - c.verified >= VERIFY_EVERY * 3 // 4:
-                name = _newest(c)
-                c.checking = (count, name, self._background(verify_data, name, c.offsets, c.layout, c.digests))
+                names = _by_age(c)
+                c.checking = (count, names[0], self._background(_read_back, names, c.offsets, c.layout, c.digests))
         if not copies or directory in self._spares or directory in self._unlinkable or COPIES < 2:
             return
         first = len(copies) < COPIES
@@ -376,6 +382,9 @@ class FrozenSharing:
                 return
             copies.insert(0, _Copy({data: key}, {}, {}, {}, {}, st.st_size, used=0, verified=0))
         self._copies[directory] = _keep_two(copies, gone=data)
+        for c in self._copies[directory]:
+            if data in c.names:
+                c.leaving += 1
 
 
 def _lstat(path: str) -> os.stat_result | None:
@@ -407,6 +416,7 @@ def _restat(copy: _Copy) -> None:
         now = _key(name)
         if now is not None and now[0] == ident:
             copy.names[name] = now
+    copy.leaving = 0
 
 
 def _keep_two(copies: list[_Copy], gone: str | None = None) -> list[_Copy]:
@@ -456,14 +466,42 @@ def _orphans(directory: str) -> list[_Copy]:
     return found
 
 
+def _by_age(copy: _Copy) -> list[str]:
+    """The names of ``copy``, newest first: by modification time (a clone is an inode of its own), then the name
+    linked last (retention deletes the oldest checkpoints first)."""
+    return sorted(reversed(list(copy.names)), key=lambda n: copy.names[n][0][3], reverse=True)
+
+
 def _newest(copy: _Copy) -> str:
-    """The newest name of ``copy`` (a clone: its own inode)."""
-    return max(copy.names, key=lambda n: copy.names[n][0][3])
+    """The newest name of ``copy``."""
+    return _by_age(copy)[0]
 
 
-def _moved(then: _Key, now: _Key) -> bool:
-    """Whether a ``.data`` name changed since it was last looked at other than by our own links and deletions."""
-    return now[0] != then[0] or (now[1] != then[1] and now[2] == then[2])
+def _read_back(names: list[str], offsets: dict[str, int], layout: dict[str, tuple[int, tuple[int, ...], int]],
+               digests: dict[str, int]) -> tuple[Identity | None, list[str]]:
+    """:func:`verify_data` of the first of ``names`` that still opens (on the worker thread: retention may have
+    deleted the others since the read-back was asked for)."""
+    for name in names:
+        found, bad = verify_data(name, offsets, layout, digests)
+        if found is not None:
+            return found, bad
+    return None, []
+
+
+def _moved(then: _Key, now: _Key, copy: _Copy) -> bool:
+    """Whether a ``.data`` name of ``copy`` changed since it was last looked at other than by our own links and
+    deletions: the change time moved with the link count unchanged while none of ours was under way."""
+    return now[0] != then[0] or (now[1] != then[1] and now[2] == then[2] and not copy.leaving)
+
+
+def _trust(copy: _Copy, now: _Key, count: int) -> None:
+    """Record the names of the inode ``now`` (just read back, its bytes matched) as they are now, verified at
+    ``count``."""
+    for name, (ident, _, _) in list(copy.names.items()):
+        if ident[:2] == now[0][:2]:
+            copy.names[name] = now
+    copy.leaving = 0
+    copy.verified = max(copy.verified, count)
 
 
 def _checked(copy: _Copy, count: int, path: str) -> str | None:
@@ -480,25 +518,23 @@ def _checked(copy: _Copy, count: int, path: str) -> str | None:
             # the name it read, or (retention deleted that one) another name of the same inode
             same = sorted((n for n in copy.names if copy.names[n][0] == found), key=lambda n: n != name)
             now = _key(same[0]) if same else None
-            if now is not None and found == now[0] and not _moved(copy.names[same[0]], now):
+            if now is not None and found == now[0] and not _moved(copy.names[same[0]], now, copy):
                 if bad:
                     _warn_damaged(same[0], bad, path)
                     return None
-                copy.verified, source = max(copy.verified, since), same[0]
+                _trust(copy, now, since)
+                source = same[0]
     then, now = copy.names[source], _key(source)
     if now is None:
         return None
-    moved = _moved(then, now)
+    moved = _moved(then, now, copy)
     if not moved and count - copy.verified < VERIFY_EVERY:
         return source
     found, bad = verify_data(source, copy.offsets, copy.layout, copy.digests)
     if found is None or bad or found != now[0]:
         _warn_damaged(source, bad, path)
         return None
-    for name, (ident, _, _) in list(copy.names.items()):
-        if ident[:2] == now[0][:2]:
-            copy.names[name] = now
-    copy.verified = count
+    _trust(copy, now, count)
     return source
 
 

@@ -209,32 +209,104 @@ def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, 
     assert hidden(tmp_path) == []
 
 
+def record_read_backs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """(thread, file name) of every read-back of a copy (``verify_data`` called by ``_sharing``) from now on."""
+    calls: list[tuple[str, str]] = []
+    verify = sharing.verify_data
+
+    def recorded(path: str, *args: Any) -> Any:
+        calls.append((threading.current_thread().name, os.path.basename(path)))
+        return verify(path, *args)
+
+    monkeypatch.setattr(sharing, "verify_data", recorded)
+    return calls
+
+
+def on_worker(calls: list[tuple[str, str]]) -> bool:
+    return all(t.startswith("ort-ckpt-frozen-copies") for t, _ in calls)
+
+
 def test_read_backs_run_in_the_background_even_where_retention_deletes_the_name_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every VERIFY_EVERY saves each copy is read back, on the worker thread, started ahead: the save that relies on
-    it takes its result (waiting where it is not done), also where the name it read was deleted meanwhile (a top-2
-    deleting the oldest); no save reads a copy back itself."""
+    it takes its result (waiting where it is not done), also where retention (a top-2 deleting the oldest) deleted
+    names of the copy before the worker got to them; no save reads a copy back itself. The worker is held until
+    each deletion is done, so every read-back starts after it."""
     monkeypatch.setattr(sharing, "VERIFY_EVERY", 8)
-    threads: list[str] = []
-    verify = sharing.verify_data
-
-    def recorded(*args: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return verify(*args)
-
-    monkeypatch.setattr(sharing, "verify_data", recorded)
+    calls = record_read_backs(monkeypatch)
     sh, module = sharing.FrozenSharing(), frozen_module()
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 25)]
     for i, p in enumerate(paths):
+        gate = held(sh)  # behind what earlier saves asked for: a save that waits for that never waits for the gate
         save(sh, module, p, f"step {i + 1}")
         if i >= 2:
             sh.before_remove(str(paths[i - 2]))
             atomic.remove(str(paths[i - 2]))
             atomic.wait_for_cleanup()
+        gate.set()
     sh.close()
-    assert len(threads) >= 4 and all(t.startswith("ort-ckpt-frozen-copies") for t in threads), threads
+    assert len(calls) >= 4 and on_worker(calls), calls
+    assert all(c.verified >= 24 - 8 for c in sh._copies[str(tmp_path)])  # and their results were taken
     for p in paths[-2:]:
         assert loads(p, module)
+
+
+def test_a_read_back_whose_first_name_was_deleted_reads_another_name_of_the_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention deletes the very name a background read-back was to read, before the worker gets to it: the
+    read-back reads another name of the same file, and the save that relies on it takes that result."""
+    monkeypatch.setattr(sharing, "VERIFY_EVERY", 8)
+    calls = record_read_backs(monkeypatch)
+    sh, module, paths = run(tmp_path, 6)
+    gate = held(sh)
+    seventh = tmp_path / "step=7.ckpt"
+    save(sh, module, seventh, "step 7")  # 3/4 of VERIFY_EVERY after the first: both read-backs are asked for
+    copies = sh._copies[str(tmp_path)]
+    first = [c.checking[1] for c in copies if c.checking is not None]
+    assert len(first) == 2 and calls == []
+    for name in first:
+        checkpoint = name[:-len(".data")]
+        sh.before_remove(checkpoint)
+        atomic.remove(checkpoint)
+    atomic.wait_for_cleanup()
+    gate.set()
+    later = [tmp_path / f"step={i}.ckpt" for i in range(8, 11)]
+    for i, p in enumerate(later, 8):
+        save(sh, module, p, f"step {i}")
+    sh.close()
+    read, gone = [n for _, n in calls], {os.path.basename(n) for n in first}
+    others = [n for n in read if n not in gone]
+    assert on_worker(calls) and gone <= set(read) and len(others) == 2, calls  # each tried, then another name
+    assert all((tmp_path / n).exists() for n in others)
+    assert all(c.verified >= 7 for c in sh._copies[str(tmp_path)])
+    for p in [q for q in paths + [seventh] + later if q.exists()]:
+        assert loads(p, module)
+
+
+def test_a_deletion_still_under_way_is_not_taken_for_an_outside_change(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention renames a checkpoint's .data away at once and unlinks it later: meanwhile the other names of that
+    file show a new change time with the same link count, which is our deletion (announced to before_remove), not
+    damage: the next save links the copy without reading it back."""
+    sh, module, paths = run(tmp_path, 4)  # copy A: 1 and 3, copy B: 2 and 4
+    calls = record_read_backs(monkeypatch)
+    queued: list[str] = []
+    monkeypatch.setattr(atomic._UNLINKER, "put", queued.append)  # the unlink waits
+    before = os.stat(data(paths[2]))
+    sh.before_remove(str(paths[0]))
+    atomic.remove(str(paths[0]))
+    trash = next(t for t in queued if os.stat(t).st_ino == before.st_ino)  # the .data (the .ckpt is the other)
+    while os.stat(data(paths[2])).st_ctime_ns == before.st_ctime_ns:  # the clock ticked: another rename
+        os.replace(trash, trash + "-")
+        trash += "-"
+    assert os.stat(data(paths[2])).st_nlink == before.st_nlink
+    fifth = tmp_path / "step=5.ckpt"
+    save(sh, module, fifth, "step 5")
+    for t in [trash, *queued]:  # the deletions end
+        if os.path.lexists(t):
+            os.unlink(t)
+    assert inode(fifth) == inode(paths[2]) and calls == []
+    assert loads(fifth, module)
 
 
 # -- 2. damage is found before anything links to it, and costs only its links --------------------------------------
