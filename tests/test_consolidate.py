@@ -198,3 +198,25 @@ def test_export_reads_a_sharded_directory_and_its_errors_name_it(
     with pytest.raises(CheckpointError) as e:
         export_onnx(Wider(), path, tmp_path / "w.onnx", example_input=x)
     assert e.value.path == str(path) and str(path) in str(e.value) and "consolidated" not in str(e.value)
+
+
+def test_training_artifacts_from_a_sharded_directory_train_in_ort(
+        sharded: tuple[Path, SmallNet, torch.optim.Optimizer], tmp_path: Path) -> None:
+    from lightning_ort_ckpt.artifacts import make_training_artifacts
+
+    path, model, _ = sharded
+    x, y = batch()
+    art = make_training_artifacts(SmallNet(), path, tmp_path / "art", example_input=torch.from_numpy(x))
+    assert {"fc1.weight", "fc2.weight"} <= set(art.trainable)
+    api = ort_api()
+    state = api.CheckpointState.load_checkpoint(art.checkpoint)
+    for name, want in model.state_dict().items():
+        if name in art.trainable:
+            np.testing.assert_array_equal(dict(state.parameters)[name].data, want.numpy())
+    module = api.Module(art.training_model, state, art.eval_model)
+    optimizer = api.Optimizer(art.optimizer_model, module)
+    before = dict(state.parameters)["fc1.weight"].data.copy()
+    module.train()
+    module(x, y)
+    optimizer.step()
+    assert not np.array_equal(dict(state.parameters)["fc1.weight"].data, before)
