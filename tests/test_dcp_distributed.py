@@ -33,9 +33,22 @@ def _rss(field: str) -> int:
     raise AssertionError(field)
 
 
+def _save_full(model: torch.nn.Module, opt: torch.optim.Optimizer, npz: str) -> None:
+    """The whole module and optimizer state, gathered on every rank (a collective), written by rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full_model, full_optim = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
+    if dist.get_rank() == 0:
+        full = {f"m/{k}": v.numpy() for k, v in full_model.items()}
+        full.update({f"o/{p}/{k}": v.numpy() for p, s in full_optim["state"].items() for k, v in s.items()})
+        np.savez(npz, **full)
+
+
 def _worker(mode: str, path: str, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -70,12 +83,7 @@ def _worker(mode: str, path: str, out: str) -> None:
         save_sharded(state, path)
         grew = _rss("VmHWM") - before
         np.savez(f"{out}/local{rank}.npz", **local(state), grew=np.array(grew), shard=np.array(shard_bytes))
-        full_model, full_optim = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
-                                                                                     cpu_offload=True))
-        if rank == 0:
-            full = {f"m/{k}": v.numpy() for k, v in full_model.items()}
-            full.update({f"o/{p}/{k}": v.numpy() for p, s in full_optim["state"].items() for k, v in s.items()})
-            np.savez(f"{out}/full.npz", **full)
+        _save_full(model, opt, f"{out}/full.npz")
     else:
         out_tree = load_sharded(state, path)
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -84,12 +92,7 @@ def _worker(mode: str, path: str, out: str) -> None:
             np.savez(f"{out}/loaded{rank}.npz", **local({"state_dict": model_sd, "optimizer_states": [optim_sd]}),
                      global_step=np.array(out_tree["global_step"]))
         else:  # another world size: the whole state, gathered, is what was saved
-            full_model, full_optim = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
-                                                                                         cpu_offload=True))
-            if rank == 0:
-                full = {f"m/{k}": v.numpy() for k, v in full_model.items()}
-                full.update({f"o/{p}/{k}": v.numpy() for p, s in full_optim["state"].items() for k, v in s.items()})
-                np.savez(f"{out}/{mode}.npz", **full)
+            _save_full(model, opt, f"{out}/{mode}.npz")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -25,9 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -37,6 +34,7 @@ import torch
 
 from lightning_ort_ckpt import load_checkpoint
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from launching import launch_script
 from ort_reference import ort_api, ort_parameters
 
 STEPS, HALF = 16, 8  # 64 samples, batch 4, split over 2 ranks: 8 steps per epoch
@@ -150,24 +148,10 @@ else:
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path: Path, phase: str, timeout: float = 150) -> None:
     script = tmp_path / "train.py"
     script.write_text(f"STEPS, HALF = {STEPS}, {HALF}\n" + textwrap.dedent(SCRIPT))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore"}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
-        env.pop(name, None)  # the launcher decides these
-    try:
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path), phase], env=env, cwd=str(tmp_path),
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the DDP run ({phase}) hung:\n{e.stdout}\n{e.stderr}")
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    launch_script(script, [str(tmp_path), phase], f"the DDP run ({phase})", timeout)
 
 
 @pytest.fixture(scope="module")

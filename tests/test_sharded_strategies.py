@@ -29,11 +29,7 @@ the save and load code: Lightning's ``FSDPStrategy`` builds the checkpoint dicts
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +39,7 @@ import torch
 
 from lightning_ort_ckpt._dcp_storage import is_sharded_checkpoint
 from lightning_ort_ckpt._reading import read_contents
+from launching import launch_script
 from ort_reference import ort_api, ort_parameters
 
 MODES = ("mp-sharded", "mp-full", "fsdp-sharded", "fsdp-full")
@@ -260,25 +257,10 @@ with warnings.catch_warnings(record=True) as CAUGHT:
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path: Path, phase: str, kinds: str, timeout: float = 240, **extra_env: str) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore",
-           **extra_env}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
-        env.pop(name, None)  # the launcher decides these
-    try:
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path), phase, kinds], env=env, cwd=str(tmp_path),
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the run ({phase} {kinds}) hung:\n{e.stdout}\n{e.stderr}")
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    launch_script(script, [str(tmp_path), phase, kinds], f"the run ({phase} {kinds})", timeout, **extra_env)
 
 
 @pytest.fixture(scope="module")
