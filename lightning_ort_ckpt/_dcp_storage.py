@@ -445,14 +445,15 @@ class OrtStorageReader(StorageReader):
 
 
 def load_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str, Any] | None = None,
-                 process_group: Any = None) -> dict[str, Any]:
+                 process_group: Any = None, others: bool = True) -> dict[str, Any]:
     """Every rank calls it. Fills every tensor leaf of ``state`` (Tensor or DTensor) IN PLACE from the checkpoint,
     resharded by DCP's planner (another world size works), and returns the whole saved tree with the tensors of
     ``state`` in their places and every saved non-tensor value decoded (keys absent from ``state`` included, so the
     caller gets loops, callbacks, hyper-parameters). Of the tensors ``state`` does not ask for, those saved whole
     (one chunk: a callback's score, a replicated buffer) are read into the returned tree; sharded ones are not read
-    and come back as None. Raises :class:`CorruptCheckpointError` naming the file on damage (checksums are
-    verified)."""
+    and come back as None; with ``others=False`` none of them is read (all None: the saved values alone, for a
+    caller that looks at them before it asks for tensors). Raises :class:`CorruptCheckpointError` naming the file on
+    damage (checksums are verified)."""
     path = os.fspath(path)
     doc = read_metadata(path, storage_options)
     _, asked = _flatten(state, path, CheckpointError)
@@ -466,7 +467,7 @@ def load_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str,
             raise CheckpointError(f"tensor {fqn!r} has shape {list(tensor.shape)} here but "
                                   f"{saved[fqn]['size']} in the checkpoint", path)
     whole = {fqn: torch.empty(t["size"], dtype=dtype_of(t["dtype"])) for fqn, t in saved.items()
-             if fqn not in asked and len(t["chunks"]) == 1 and t["chunks"][0]["sizes"] == t["size"]}
+             if others and fqn not in asked and len(t["chunks"]) == 1 and t["chunks"][0]["sizes"] == t["size"]}
     try:
         with _quiet():
             dcp_load({**asked, **whole}, storage_reader=OrtStorageReader(path, doc, storage_options),

@@ -136,7 +136,7 @@ def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[st
     from ._dcp_storage import load_sharded
 
     options = plugin.storage_options
-    values = load_sharded({}, path, storage_options=options)  # the values only: no tensor is read
+    values = load_sharded({}, path, storage_options=options, others=False)  # the values only: no tensor is read
     model, rank = strategy.model, strategy.global_rank
     fitting = _lightning_adapter.fitting(strategy)
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
@@ -146,7 +146,8 @@ def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[st
     mine = isinstance(saved_ranks, int) and rank < saved_ranks
     if mine:
         state[RNG_KEY] = {_rank_key(rank): pack_random_states(_rng.capture())}
-    load_sharded(as_dtensors(state), path, storage_options=options)  # FSDP1's ShardedTensors filled through views
+    # this run's shards (FSDP1's ShardedTensors filled through views), and the other tensors saved whole (scores...)
+    values = load_sharded(as_dtensors(state), path, storage_options=options)
     strict = strategy.lightning_module.strict_loading
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for opt, opt_state in zip(strategy.optimizers, state.get("optimizer_states", [])):

@@ -75,6 +75,9 @@ def test_tensors_not_asked_for_come_back_when_saved_whole(tmp_path: Path) -> Non
     assert torch.equal(out["state_dict"]["layer.bias"], state["state_dict"]["layer.bias"])
     assert torch.equal(out["optimizer_states"][0]["state"][0]["exp_avg"],
                        state["optimizer_states"][0]["state"][0]["exp_avg"])
+    values = load_sharded({}, path, others=False)  # the values alone: no tensor read
+    assert values["state_dict"]["layer.bias"] is None and values["optimizer_states"][0]["state"][0]["exp_avg"] is None
+    assert values["global_step"] == out["global_step"]
 
 
 def test_no_pickle_in_the_directory(tmp_path: Path) -> None:
