@@ -117,6 +117,8 @@ def _run(args: argparse.Namespace) -> int:
             if args.command == "verify":
                 reader.verify()
                 report["lightning_check"] = _check_lightning(reader)
+    except ModuleNotFoundError as e:  # torch, to read a sharded checkpoint directory
+        return _missing(e, args.command)
     except CheckpointError as e:
         if args.command == "inspect" and args.json:
             print(json.dumps({"file": args.file, "valid": False, "error": str(e)}))
@@ -232,7 +234,7 @@ def _consolidate(args: argparse.Namespace) -> int:
     try:
         from ._consolidate import consolidate  # torch: a sharded checkpoint was written with it
     except ModuleNotFoundError as e:
-        return _missing(e)
+        return _missing(e, args.command)
     try:
         consolidate(args.directory, args.output)
     except CheckpointError as e:
@@ -250,7 +252,7 @@ def _export(args: argparse.Namespace) -> int:
     try:
         from .export import export_onnx, load_module_class  # torch and onnxruntime: only for this command
     except ModuleNotFoundError as e:
-        return _missing(e)
+        return _missing(e, args.command)
     try:
         module_class = load_module_class(args.module)
     except CheckpointError as e:
@@ -269,7 +271,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"error: {_first_line(e)}", file=sys.stderr)
         return 1
     except ModuleNotFoundError as e:  # onnx or onnxruntime, imported when the export reaches them
-        return _missing(e)
+        return _missing(e, args.command)
     except OSError as e:
         where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != args.output else ""
         print(f"error: cannot write {_shown(args.output)}{_shown(where)}: {e.strerror or e}", file=sys.stderr)
@@ -291,13 +293,15 @@ _INSTALL = {"torch": "torch (pip install torch; see docs/guide.md, Install)",
                            "onnxruntime-training has wheels for CPython 3.11 on x86_64 Linux only)"}
 
 
-def _missing(e: ModuleNotFoundError) -> int:
-    """A package the export needs is not installed: say which, and what to install (exit status 1)."""
+def _missing(e: ModuleNotFoundError, command: str) -> int:
+    """A package ``command`` needs (torch for a sharded checkpoint; onnx and onnxruntime for the export) is not
+    installed: say which, and what to install (exit status 1)."""
     top = (e.name or "").partition(".")[0]
     if top not in _INSTALL:  # a module the user's code imports: its own error
         print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
     else:
-        print(f"error: ort-ckpt export needs {top}, which is not installed: install {_INSTALL[top]}", file=sys.stderr)
+        print(f"error: ort-ckpt {command} needs {top}, which is not installed: install {_INSTALL[top]}",
+              file=sys.stderr)
     return 1
 
 

@@ -146,6 +146,18 @@ def test_export_without_torch_says_what_to_install(tmp_path, good):
     assert not (tmp_path / "m.onnx").exists()
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify", "consolidate"])
+def test_a_sharded_directory_without_torch_says_what_to_install(tmp_path, command):
+    from lightning_ort_ckpt._dcp_storage import save_sharded
+
+    folder = tmp_path / "epoch=0-step=1.ckpt"
+    save_sharded({"state_dict": {"w": torch.ones(3)}}, str(folder))
+    out = subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", command, str(folder),
+                          *([str(tmp_path / "one.ckpt")] if command == "consolidate" else [])],
+                         capture_output=True, text=True, env=no_torch_env(tmp_path), timeout=300)
+    assert_one_error_line(out, f"ort-ckpt {command} needs torch, which is not installed", "pip install torch")
+
+
 @pytest.mark.parametrize("tolerance", ["-1", "nan", "inf", "abc"])
 def test_a_bad_tolerance_is_refused_before_the_export_runs(tmp_path, good, tolerance):
     marker = tmp_path / "imported"
