@@ -326,8 +326,7 @@ class Stager:
             if self._buffers:  # a save came first: it allocated its buffers
                 return
             tensors, optimizers = found
-            state = [v for o in optimizers for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            specs = [_spec(t) for t in [*tensors, *state]]
+            specs = [_spec(t) for t in [*tensors, *_state_tensors(optimizers)]]
             self._preparing = threading.Thread(target=self._allocate_spares, args=(specs,), name="ort-ckpt-staging",
                                                daemon=True)
             self._preparing.start()
@@ -497,8 +496,11 @@ class Stager:
 
 def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The tensors only ``optimizer.step`` changes: the parameters the optimizers hold, and their state."""
-    out: list[torch.Tensor] = []
-    for opt in optimizers:
-        out += [p for group in opt.param_groups for p in group["params"]]
-        out += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
+    optimizers = list(optimizers)
+    return [p for opt in optimizers for group in opt.param_groups for p in group["params"]] + _state_tensors(optimizers)
+
+
+def _state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The optimizers' state tensors (Adam's moments and step counts, ...)."""
+    return [v for opt in optimizers for state in opt.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
