@@ -339,7 +339,7 @@ class FrozenSharing:
         if first or any(c.links >= LINKS_PER_COPY - 2 for c in copies):
             source = copies[-1]  # the newest: the tensors as they are now
             name = _newest(source)
-            tmp = atomic._hidden_name(os.path.join(directory, "frozen-copy.data"), atomic._token(), "tmp")
+            tmp = atomic.temp_name(os.path.join(directory, "frozen-copy.data"))
             job = self._background(write_copy, name, source.names[name][0], tmp, source.offsets, source.layout,
                                    source.digests)
             self._spares[directory] = _Spare(count, count + 1 + (ONE_COPY_SAVES if first else 0), source, tmp, job)

@@ -157,6 +157,12 @@ def _trash_name(path: str) -> str:
     return _hidden_name(path, _token(), "old")
 
 
+def temp_name(path: str) -> str:
+    """A hidden temporary name beside ``path``, of this process: if the process dies, the next save to the folder
+    sweeps it as a leftover."""
+    return _hidden_name(path, _token(), "tmp")
+
+
 # -- saving -------------------------------------------------------------------------------------------------------
 @dataclass
 class SaveFiles:
@@ -285,7 +291,7 @@ def _replace(source: str, target: str) -> None:
 
 
 def _write_durably(path: str, data: bytes, lock: _WriterLock) -> None:
-    tmp = _hidden_name(path, _token(), "tmp")
+    tmp = temp_name(path)
     try:
         with open(tmp, "xb") as f:
             f.write(data)
