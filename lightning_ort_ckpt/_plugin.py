@@ -298,7 +298,7 @@ class OrtCheckpointIOMixin:
         its memory ahead of the first save; None while saves are synchronous, and under the strategies whose state
         is sharded or gathered (``_strategies``: reading it is a collective, which a thread must not start)."""
         strategy = self._owner_strategy() if self.async_save else None
-        if strategy is None or strategy.lightning_module is None or _strategies.kind(strategy) is not None:
+        if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
             return None
         return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
 
