@@ -48,10 +48,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ._translation import values
 from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from .format import CheckpointContents, CheckpointReader, TensorInfo, save_checkpoint
+from .format._atomic import FOLDER_COMMIT_NAME
 from .format._store import StorageOptions, Store, is_remote, store_for
 
-METADATA_NAME = "checkpoint.ort-meta"
-"""The metadata file inside a sharded checkpoint directory; its presence is what makes the directory a checkpoint."""
+METADATA_NAME = FOLDER_COMMIT_NAME
+"""The metadata file inside a sharded checkpoint directory; its presence is what makes the directory a checkpoint
+(the stores, which delete it first when they remove a folder, know it by the format layer's name)."""
 
 FORMAT = "lightning-ort-ckpt/sharded"
 VERSION = 1
