@@ -29,7 +29,7 @@ import secrets
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -52,8 +52,8 @@ from .format import CheckpointContents, CheckpointReader, TensorInfo, save_check
 from .format._atomic import FOLDER_COMMIT_NAME
 from .format._store import StorageOptions, Store, is_remote, store_for
 
-__all__ = ["METADATA_NAME", "OrtStorageReader", "OrtStorageWriter", "ShardFiles", "dtype_of", "is_sharded_checkpoint",
-           "load_sharded", "read_metadata", "save_sharded"]
+__all__ = ["METADATA_NAME", "OrtStorageReader", "OrtStorageWriter", "ShardFiles", "dtype_of", "flatten",
+           "is_sharded_checkpoint", "load_sharded", "read_metadata", "save_flat", "save_sharded"]
 
 METADATA_NAME = FOLDER_COMMIT_NAME
 """The metadata file inside a sharded checkpoint directory; its presence is what makes the directory a checkpoint
@@ -313,7 +313,19 @@ def save_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str,
     folder where there was none); an existing checkpoint of the same path is replaced only once the new one is
     complete."""
     path = os.fspath(path)
-    tree, flat = _flatten(state, path, CheckpointSaveError)
+    tree, flat = flatten(state, path)
+    save_flat(tree, flat, path, storage_options=storage_options, process_group=process_group)
+
+
+def flatten(state: dict[str, Any], path: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """What :func:`save_sharded` saves of ``state``: its tree encoded (every non-tensor value as it is now) and its
+    tensors by DCP key; :func:`save_flat` writes them (an asynchronous save stages the tensors in between)."""
+    return _flatten(state, os.fspath(path), CheckpointSaveError)
+
+
+def save_flat(tree: Any, flat: dict[str, torch.Tensor], path: str, *, storage_options: dict[str, Any] | None = None,
+              process_group: Any = None) -> None:
+    """:func:`save_sharded` of what :func:`flatten` gave."""
     writer = OrtStorageWriter(path, storage_options=storage_options, tree=tree)
     try:
         with _quiet():
@@ -623,7 +635,8 @@ def load_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str,
         raise _reported(e, path, CorruptCheckpointError, "sharded load failed") from None
     tensors = {**whole, **asked}
     try:
-        return values.decode(doc["tree"], lambda key: tensors.get(key))
+        # a tensor not read (sharded, not asked for) decodes as None
+        return values.decode(doc["tree"], lambda key: cast(torch.Tensor, tensors.get(key)))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CorruptCheckpointError(f"damaged metadata: the saved tree does not decode ({e})",
                                      join(path, METADATA_NAME)) from None

@@ -289,3 +289,31 @@ def test_a_metadata_upload_that_cannot_be_told_keeps_the_shards_it_names(losing:
     target = _empty_like(state)
     assert load_sharded(target, path, storage_options=options)["global_step"] == 400
     _assert_same(state, target)
+
+
+# -- staging for asynchronous sharded saves (issue 34) -----------------------------------------------------------------
+def test_shard_staging_is_allocated_ahead_reused_and_a_copy() -> None:
+    from lightning_ort_ckpt._dcp_staging import ShardStager
+
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    stager = ShardStager()
+    stager.prepare(lambda: (list(model.parameters()), [opt]))
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()  # Adam's state exists now: the memory is allocated (and touched) on a thread of its own
+        stager._join()
+        ahead = {t.data_ptr() for spares in stager._spares.values() for t in spares}
+        assert len(ahead) == 2 + 2 * 3  # weight, bias, and each one's step, exp_avg, exp_avg_sq
+        flat = {"w": model.weight, "m": opt.state[model.weight]["exp_avg"], "extra": torch.arange(3)}
+        first = stager.stage(flat)
+        assert {first["w"].data_ptr(), first["m"].data_ptr()} <= ahead  # the first save takes what was allocated
+        assert torch.equal(first["w"], model.weight) and first["w"].data_ptr() != model.weight.data_ptr()
+        with torch.no_grad():
+            model.weight.add_(1.0)  # training goes on: the staged copy keeps the saved values
+        assert not torch.equal(first["w"], model.weight)
+        second = stager.stage(flat)
+        assert all(second[k].data_ptr() == first[k].data_ptr() for k in flat)  # the same memory, save after save
+        assert torch.equal(second["w"], model.weight)
+    finally:
+        stager.close()
