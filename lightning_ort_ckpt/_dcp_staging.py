@@ -14,6 +14,7 @@ waits only for that copy and the write runs on the plugin's background queue.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -134,3 +135,28 @@ class ShardStager:
             self._hook = None
         self._join()
         self._buffers, self._spares = {}, {}
+
+
+def stage_tree(stager: ShardStager, tree: Any) -> Any:
+    """A state dict as DCP hands it to a stager (nested dicts, lists, tuples) with every tensor (DTensor) replaced by
+    its staged copy (:meth:`ShardStager.stage`, keyed by its path) and every other leaf deep-copied (an ``io.BytesIO``,
+    a value training may change before it is written)."""
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: tuple[Any, ...], build: bool) -> Any:
+        if isinstance(node, torch.Tensor):
+            if not build:
+                flat[repr(path)] = node
+                return None
+            return staged[repr(path)]
+        if isinstance(node, dict):
+            items = [(k, walk(v, (*path, k), build)) for k, v in node.items()]
+            return type(node)(items) if build else None
+        if isinstance(node, (list, tuple)) and type(node) in (list, tuple):
+            items = [walk(v, (*path, i), build) for i, v in enumerate(node)]
+            return type(node)(items) if build else None
+        return copy.deepcopy(node) if build else None
+
+    walk(tree, (), build=False)
+    staged = stager.stage(flat)
+    return walk(tree, (), build=True)

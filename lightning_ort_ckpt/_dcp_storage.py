@@ -42,9 +42,11 @@ from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _dcp_metadata
+from ._dcp_staging import ShardStager, stage_tree
 from ._dcp_metadata import SHARD, Location, dtype_of
 from ._translation import values
 from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
@@ -100,13 +102,19 @@ class CommitUnknownError(CheckpointSaveError):
 
 
 # -- saving ---------------------------------------------------------------------------------------------------------
-class OrtStorageWriter(StorageWriter):
+class OrtStorageWriter(StorageWriter, AsyncStager):
     """DCP's ``StorageWriter`` of ours (public as ``lightning_ort_ckpt.dcp.OrtStorageWriter``): each rank writes one
     ODTC file of its items (tensor chunks, and each non-tensor item as a uint8 tensor: no pickle), with a checksum
     per tensor; the coordinator writes the JSON metadata last, atomically, then removes the files of the save it
     replaced. ``overwrite=False`` refuses a path that holds a checkpoint; ``thread_count`` is accepted for
     ``FileSystemWriter``'s signature (one file per rank, streamed once: see docs/dcp.md). ``tree``: for
-    :func:`save_sharded`, the encoded tree of the save (the coordinator's is kept)."""
+    :func:`save_sharded`, the encoded tree of the save (the coordinator's is kept).
+
+    As DCP's stager (``dcp.async_save(state, storage_writer=writer)``): the state is copied into CPU memory the
+    writer keeps from save to save (allocated by the first, reused by the next ones; :meth:`close` frees it), and
+    ``async_save`` returns once that copy is done."""
+
+    _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike[str], *, storage_options: StorageOptions | None = None,
                  overwrite: bool = True, thread_count: int = 1, tree: Any = None) -> None:
@@ -123,6 +131,18 @@ class OrtStorageWriter(StorageWriter):
         self.path = ""
         self.store: Store
         self.reset(path)
+        self._stager = ShardStager()
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """DCP's ``AsyncStager.stage``: a copy of ``state_dict`` that training cannot change, in reused memory."""
+        return stage_tree(self._stager, state_dict)  # type: ignore[no-any-return]
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once its copies are complete."""
+
+    def close(self) -> None:
+        """Free the staging memory (after the last ``async_save`` is written)."""
+        self._stager.close()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new save: to ``checkpoint_id`` when given (DCP's ``save(..., checkpoint_id=)``), else to the same path."""

@@ -8,6 +8,7 @@ timeout) for a DTensor save loaded at world size 1 and for ``use_collectives=Fal
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -196,16 +197,24 @@ def test_no_pickle_and_every_tensor_checked(tmp_path: Path) -> None:
     assert isinstance(failure[0] if isinstance(failure, tuple) else failure, CorruptCheckpointError)
 
 
-def test_async_save_with_our_writer(tmp_path: Path) -> None:
+def test_async_save_with_our_writer_stages_into_reused_memory(tmp_path: Path) -> None:
+    writer = OrtStorageWriter(tmp_path / "a")
     saved = _rich_state()
-    future = dcp.async_save(saved, storage_writer=OrtStorageWriter(tmp_path / "c"))
+    future = dcp.async_save(saved, storage_writer=writer)
+    expected = copy.deepcopy(saved)
+    for t in _tensors(saved):
+        t.add_(1)  # training goes on at once: the save holds its own copy
+    saved["io"].write(b"more")
     future.result()
-    state = _rich_state()
-    for t in _tensors(state["model"]):
-        t.zero_()
-    state.update(blob=None, io=None)
-    _load(state, tmp_path / "c")
-    _assert_equal(saved, state)
+    first = {k: t.data_ptr() for k, t in writer._stager._buffers.items()}
+    dcp.async_save(saved, storage_writer=writer, checkpoint_id=tmp_path / "b").result()
+    assert {k: t.data_ptr() for k, t in writer._stager._buffers.items()} == first  # the same memory
+    writer.close()
+    for name, want in (("a", expected), ("b", saved)):
+        state = _rich_state()
+        state.update(blob=None, io=None)
+        _load(state, tmp_path / name)
+        _assert_equal(want, state, name)
 
 
 def test_a_planner_that_cannot_hand_over_values_is_refused_not_pickled(tmp_path: Path) -> None:
