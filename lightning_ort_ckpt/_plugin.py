@@ -31,13 +31,14 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
+from collections.abc import Collection
 from typing import Any, Literal
 
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from . import _lightning_adapter, _rng, _sharing, _staging, _strategies
-from ._async_saver import BackgroundQueue
+from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
@@ -86,16 +87,15 @@ class OrtCheckpointIOMixin:
                                         f"{type(storage_options).__name__}")
         self.external_data = external_data
         self.ort_compatible = ort_compatible
-        self.async_save = async_save
         self.share_frozen = share_frozen
         self.storage_options = storage_options
-        self._start()
+        self._start(async_save)
 
-    def _start(self) -> None:
+    def _start(self, async_save: bool) -> None:
         """The per-process state: none of it travels to a spawned process (the launcher pickles the Trainer)."""
         self._sharing = _sharing.FrozenSharing(trust_parameters=self.share_frozen == "trusted")
-        self._queue: BackgroundQueue | None = None
-        self._stager = _staging.Stager()  # staging memory of asynchronous saves, reused from save to save
+        self._executors: dict[bool, SaveExecutor] = {False: InlineSaves(), True: BackgroundSaves()}
+        self._executor = self._executors[bool(async_save)]  # where every save and its file work run
         self._owner: weakref.ref[Any] | None = None
         self._unwrap: Any = None  # puts a sharded strategy's own save and load back (``_strategies.attach``)
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
@@ -107,8 +107,19 @@ class OrtCheckpointIOMixin:
         return {k: getattr(self, k) for k in _SETTINGS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        async_save = state.pop("async_save")
         self.__dict__.update(state)
-        self._start()
+        self._start(async_save)
+
+    @property
+    def async_save(self) -> bool:
+        return self._executor is self._executors[True]
+
+    @async_save.setter
+    def async_save(self, value: bool) -> None:
+        """Switch executors between saves (a benchmark compares both): the work of the previous one ends first."""
+        self.wait()
+        self._executor = self._executors[bool(value)]
 
     def _options(self, extra: Any | None = None) -> StorageOptions:
         return {**(self.storage_options or {}), **(extra or {})}
@@ -134,18 +145,14 @@ class OrtCheckpointIOMixin:
         shares = (self.share_frozen and self.external_data == "auto" and module is not None
                   and store_for(path, options).links)
         snap = self._sharing.snapshot(ck, path, module) if shares else None
-        if self.async_save:
-            keep = snap.keep if snap is not None else set()
-            staged, copy_later = self._stager.stage(
-                ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
-                module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, keep)
-            self._run_later(copy_later)
-            self._run_later(self._write, staged, path, snap, options, keep)
-        else:
-            self._write(ck, path, snap, options)
+        ck, keep = self._executor.own(
+            ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
+            module.state_dict(keep_vars=True).values() if module is not None else [], self.wait,
+            snap.keep if snap is not None else frozenset())
+        self._executor.run(self._write, ck, path, snap, options, keep)
 
     def _write(self, ck: CheckpointContents, path: str, snap: _sharing.Snapshot | None, options: StorageOptions,
-               keep: set[str] | frozenset[str] = frozenset()) -> None:
+               keep: Collection[str]) -> None:
         if snap is not None:
             self._sharing.save(ck, path, snap, self.external_data, keep)
         else:
@@ -208,11 +215,7 @@ class OrtCheckpointIOMixin:
         which stays, and training goes on."""
         self._raise_background_error()
         path = local_path(path)
-        store = store_for(path, self.storage_options)
-        if self.async_save:
-            self._run_later(self._retire, store, path)
-        else:
-            self._retire(store, path)
+        self._executor.run(self._retire, store_for(path, self.storage_options), path)
 
     def _retire(self, store: Store, path: str) -> None:
         """Remove through the store, keeping a reserve of its shared ``.data`` first where that is the last name
@@ -226,43 +229,29 @@ class OrtCheckpointIOMixin:
         store without links (``s3://``...), a copy of it."""
         self._raise_background_error()
         target, linkpath = local_path(target), local_path(linkpath)
-        store = store_for(linkpath, self.storage_options)
-        if self.async_save:
-            self._run_later(store.link_or_copy, target, linkpath)
-        else:
-            store.link_or_copy(target, linkpath)
+        self._executor.run(store_for(linkpath, self.storage_options).link_or_copy, target, linkpath)
 
     # -- life cycle ---------------------------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until background work is done; raise the first error it met."""
-        if self._queue is not None:
-            self._queue.join()
+        self._executor.join()
         self._raise_background_error()
 
     def teardown(self) -> None:
         """Lightning calls this at the end of fit (and of validate, test, predict): every file is durable, every
         replaced file deleted, the background thread stopped, the staging memory freed and the optimizer hook
         removed when it returns; an error of a background save is raised here."""
-        queue_, self._queue = self._queue, None
-        if queue_ is not None:
-            queue_.close()
+        errors = [executor.close() for executor in self._executors.values()]
         self._sharing.close()
-        self._stager.close()
         self._held = None
         unwrap, self._unwrap = self._unwrap, None
         if unwrap is not None:
             unwrap()
         wait_for_cleanup()
-        if queue_ is not None:
-            self._raise(queue_.take_error())
-
-    def _run_later(self, fn: Any, *args: Any) -> None:
-        if self._queue is None:
-            self._queue = BackgroundQueue()
-        self._queue.submit(fn, *args)
+        self._raise(next((e for e in errors if e is not None), None))
 
     def _raise_background_error(self) -> None:
-        self._raise(self._queue.take_error() if self._queue is not None else None)
+        self._raise(self._executor.take_error())
 
     @staticmethod
     def _raise(error: BaseException | None) -> None:
@@ -291,13 +280,13 @@ class OrtCheckpointIOMixin:
         if self._unwrap is not None:
             self._unwrap()
         self._unwrap = _strategies.attach(strategy, self)
-        self._stager.prepare(self._staged_sources)
+        self._executor.prepare(self._staged_sources)
 
     def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
         """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate
-        its memory ahead of the first save; None while saves are synchronous, and under the strategies whose state
-        is sharded or gathered (``_strategies``: reading it is a collective, which a thread must not start)."""
-        strategy = self._owner_strategy() if self.async_save else None
+        its memory ahead of the first save; None under the strategies whose state is sharded or gathered
+        (``_strategies``: reading it is a collective, which a thread must not start)."""
+        strategy = self._owner_strategy()
         if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
             return None
         return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
