@@ -40,13 +40,15 @@ def is_folder(path: str | os.PathLike[str]) -> bool:
 @contextlib.contextmanager
 def single_file(path: str | os.PathLike[str]) -> Iterator[str]:
     """``path``, or a sharded checkpoint folder consolidated into a temporary ORT file for the block (needs torch,
-    which wrote it)."""
+    which wrote it). A folder without its ``checkpoint.ort-meta``, or with a damaged one, is an error naming it."""
     path = os.fspath(path)
     if not is_folder(path):
         yield path
         return
     from ._consolidate import single_file as consolidated
+    from ._dcp_storage import read_metadata
 
+    read_metadata(path)
     with consolidated(path) as single:
         yield single
 
