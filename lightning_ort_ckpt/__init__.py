@@ -45,6 +45,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BindCheckpointIO", "CheckpointConfigError", "CheckpointContents", "CheckpointError", "CheckpointReader",
     "CheckpointSaveError", "CorruptCheckpointError", "DataType", "OptimizerGroup", "OrtCheckpoint",
-    "OrtCheckpointIO", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load", "load_checkpoint",
-    "load_from_checkpoint", "open_checkpoint", "save_checkpoint",
+    "OrtCheckpointIO", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load",
+    "load_checkpoint", "load_from_checkpoint", "open_checkpoint", "save_checkpoint",
 ]

@@ -118,17 +118,18 @@ def _run(args: argparse.Namespace) -> int:
         return _consolidate(args)
     if args.command == "ls":
         return ls(args.directory, as_json=args.json, verify=args.verify)
-    units, several, missing = expand(args.paths)
-    reports = []
-    for problem in missing:  # a glob that matched nothing, a directory without checkpoints
-        reports.append({"file": problem[0], "valid": False, "error": problem[1]})
-        if not args.json:
-            print(f"{'INVALID' if args.command == 'verify' else 'error:'} {_shown(problem[0])}: {_shown(problem[1])}",
-                  file=sys.stderr)
-    for path in units:
+    units, several = expand(args.paths)
+    reports: list[dict[str, Any]] = []
+    for path, nothing in units:
         if several and not args.json and args.command == "inspect" and reports:
             print()
-        reports.append(_one(args, path))
+        if nothing is None:
+            reports.append(_one(args, path))
+            continue
+        reports.append({"file": path, "valid": False, "error": nothing})  # a glob or directory without any
+        if not args.json:
+            print(f"{'INVALID' if args.command == 'verify' else 'error:'} {_shown(path)}: {_shown(nothing)}",
+                  file=sys.stderr)
     failed = [r for r in reports if not r.get("valid", True)]
     if args.json:
         doc: Any = reports[0] if not several and len(reports) == 1 else {
@@ -405,7 +406,7 @@ def _frozen_parts(reader: CheckpointReader) -> tuple[list[str], list[str]]:
     tensors (random states, callback scores). A file without our Lightning metadata (ORT wrote it) has none."""
     manifest = _manifest(reader.properties.get(MANIFEST))
     names = manifest.get("state_dict") if manifest is not None else None
-    if not isinstance(names, list):
+    if manifest is None or not isinstance(names, list):
         return list(reader.frozen), []
     module = set(names) | {v for v in (manifest.get("aliases") or {}).values() if isinstance(v, str)}
     return [n for n in reader.frozen if n in module], [n for n in reader.frozen if n not in module]

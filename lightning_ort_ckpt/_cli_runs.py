@@ -29,11 +29,11 @@ from .format._store import is_remote
 _GLOB_CHARS = "*?["
 
 
-def expand(paths: list[str]) -> tuple[list[str], bool, list[tuple[str, str]]]:
-    """The checkpoints ``paths`` name, whether they are several (a summary line follows), and the paths that
-    named none (with why): a glob is expanded, a run directory gives its checkpoints, anything else is itself."""
-    found: list[str] = []
-    empty: list[tuple[str, str]] = []
+def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
+    """The checkpoints ``paths`` name, in their order, each with None, or, for a path that named none, why; and
+    whether they are several (a summary line follows): a glob is expanded, a run directory gives its
+    checkpoints, anything else is itself."""
+    found: list[tuple[str, str | None]] = []
     several = len(paths) > 1
     for path in paths:
         if is_remote(path) or os.path.lexists(path) or not any(c in path for c in _GLOB_CHARS):
@@ -42,17 +42,16 @@ def expand(paths: list[str]) -> tuple[list[str], bool, list[tuple[str, str]]]:
             several = True
             matches = [p for p in sorted(glob.glob(path)) if not _part_of_another(p)]
             if not matches:
-                empty.append((path, "no file or folder matches"))
+                found.append((path, "no file or folder matches"))
         for match in matches:
             if not is_remote(match) and is_run_directory(match):
                 several = True
-                inside = [u.path for u in units(match)]
-                found += inside
-                if not inside:
-                    empty.append((match, "a directory without checkpoints (no *.ckpt file or checkpoint folder)"))
+                inside = [(u.path, None) for u in units(match)]
+                found += inside or [(match, "a directory without checkpoints (no *.ckpt file or checkpoint "
+                                            "folder)")]
             else:
-                found.append(match)
-    return list(dict.fromkeys(found)), several, empty
+                found.append((match, None))
+    return list(dict.fromkeys(found)), several
 
 
 def _part_of_another(path: str) -> bool:
@@ -144,7 +143,7 @@ def _from_metadata(row: dict[str, Any], reader: CheckpointReader) -> None:
     """Step, epoch, monitored score and the callback's best path, from the file's Lightning metadata (only plain
     values; the score is a tensor of the file, read with its checksum checked)."""
     try:
-        doc = json.loads(reader.properties.get(MANIFEST, "null"))
+        doc = json.loads(str(reader.properties.get(MANIFEST, "null")))
         values = doc["values"]
     except (TypeError, ValueError, KeyError, RecursionError):
         return  # ORT wrote it: no Lightning metadata

@@ -23,10 +23,12 @@ def first_line(error: BaseException) -> str:
 
 
 def size(n: int) -> str:
+    """``n`` bytes in the largest unit that keeps a number from 1 up (``23.7 KiB``)."""
+    value: float = n
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        if value < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
     return ""  # unreachable
 
 

@@ -6,9 +6,9 @@ smoke tests on the floor, the whole suite runs on the newest.
 
 Three kinds of use:
 
-- **reads and calls** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`, :func:`logger_log_model`,
-  :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`) and of the fit loop's private
-  state layout (:func:`fit_loop_state_at_step`): functions here;
+- **reads and calls** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`,
+  :func:`logger_log_model`, :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`) and
+  of the fit loop's private state layout (:func:`fit_loop_state_at_step`): functions here;
 - **overrides and calls** of ``ModelCheckpoint``'s private methods by ``OrtCheckpoint``: listed in
   :data:`MODEL_CHECKPOINT_PRIVATE` (the tests check that every supported Lightning has them);
 - **the per-strategy wrap** of ``save_checkpoint``/``load_checkpoint`` (:func:`wrap_strategy_checkpointing`): the
