@@ -16,13 +16,16 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; at run time th
     from ._binding import BindCheckpointIO
     from ._callback import OrtCheckpoint
     from ._consolidate import consolidate
+    from ._loading import load, load_from_checkpoint
     from ._plugin import OrtCheckpointIO
     from ._reading import disable_ort_loading, enable_ort_loading
 
 __version__ = "0.3.0"
 
 _LAZY = {"OrtCheckpoint": "._callback", "OrtCheckpointIO": "._plugin", "BindCheckpointIO": "._binding",
-         "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate"}
+         "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate",
+         "load": "._loading", "load_from_checkpoint": "._loading"}
+_DEPRECATED = {"Checkpoint": "CheckpointContents"}  # 0.2's names (format/_deprecated.py: the rule)
 
 
 def __getattr__(name: str) -> Any:
@@ -31,12 +34,17 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    if name in _DEPRECATED:
+        from .format._deprecated import warn_once
+
+        warn_once(f"lightning_ort_ckpt.{name}", f"use lightning_ort_ckpt.{_DEPRECATED[name]}")
+        return globals()[_DEPRECATED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "BindCheckpointIO", "CheckpointConfigError", "CheckpointContents", "CheckpointError", "CheckpointReader",
     "CheckpointSaveError", "CorruptCheckpointError", "DataType", "OptimizerGroup", "OrtCheckpoint",
-    "OrtCheckpointIO", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load_checkpoint",
-    "open_checkpoint", "save_checkpoint",
+    "OrtCheckpointIO", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load",
+    "load_checkpoint", "load_from_checkpoint", "open_checkpoint", "save_checkpoint",
 ]

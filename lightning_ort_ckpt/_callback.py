@@ -51,7 +51,7 @@ from typing import Any, ClassVar, Literal
 
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from . import _lightning_adapter
+from . import _lightning_adapter, _loggers
 from ._namespaces import loaded, namespace_of
 from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
 from ._binding import bound_plugin
@@ -218,6 +218,7 @@ class OrtCheckpointMixin:
         if self.checkpoint_io.storage_options is not None and is_remote(dirpath):
             _lightning_adapter.set_checkpoint_filesystem(self, dirpath, self.checkpoint_io.storage_options)
         self._check_dirpath(trainer, stage)
+        _loggers.check_loggers(trainer)
 
     def _check_dirpath(self, trainer: Any, stage: str) -> None:
         """``dirpath`` must be a directory, and, with several ranks, the same one for each: rank 0 writes a marker
@@ -300,6 +301,7 @@ class OrtCheckpointMixin:
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns
         if stage == "fit" and self.export_best_to is not None and trainer.is_global_zero:
             self._export_best(pl_module)
+        _loggers.log_whole_units(trainer, self, finishing=True)  # what loggers log at finalize, after teardown
         super().teardown(trainer, pl_module, stage)  # type: ignore[misc]
 
     def _export_best(self, module: Any) -> None:
@@ -439,6 +441,7 @@ class OrtCheckpointMixin:
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
         if self._saving_last:  # the last file (any CHECKPOINT_NAME_LAST template) is not one of the newest N
             super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
+            _loggers.log_whole_units(trainer, self)  # the .data (or folder) beside what the loggers just logged
             return
         # recorded before the save, as Lightning sets best_model_path first: the file's own state lists it, so a
         # run resumed from it (or from a link to it) can still rotate it out
@@ -447,6 +450,7 @@ class OrtCheckpointMixin:
         self._saved.append(filepath)
         self._to_delete.discard(filepath)
         super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
+        _loggers.log_whole_units(trainer, self)
         if self.keep_newest is not None or self._to_delete:  # (a half-written folder "last" skipped waits too)
             self._retain(trainer)
 

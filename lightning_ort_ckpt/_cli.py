@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import sys
-import unicodedata
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +34,11 @@ from .format import CheckpointContents, OptimizerGroup
 from .format._store import is_remote, store_for
 from .format._reader import CheckpointReader, TensorInfo
 from .format._shared_data import damage_note
+from ._cli_runs import expand, ls
+from ._cli_text import first_line as _first_line
+from ._cli_text import shown as _shown
+from ._cli_text import size as _size
+from ._cli_text import table as _table
 from ._translation import FORMAT, MANIFEST
 
 
@@ -42,15 +47,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "checkpoints (ODTC files).")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    json_help = "print one JSON document for scripts"
+    paths_help = ("checkpoint files, sharded checkpoint folders, run directories (every checkpoint in them) or "
+                  "globs ('ckpts/*.ckpt')")
     p_inspect = sub.add_parser("inspect", help="list tensors, optimizer state and properties")
-    p_inspect.add_argument("file")
-    p_inspect.add_argument("--json", action="store_true", help="print one JSON document for scripts")
-    p_verify = sub.add_parser("verify", help="validate the file completely; exit status 0 if valid, 1 if not")
-    p_verify.add_argument("file")
+    p_inspect.add_argument("paths", nargs="+", metavar="PATH", help=paths_help)
+    p_inspect.add_argument("--json", action="store_true", help=json_help)
+    p_verify = sub.add_parser("verify", help="validate checkpoints completely; exit status 0 if all are valid, 1 if "
+                              "not")
+    p_verify.add_argument("paths", nargs="+", metavar="PATH", help=paths_help)
+    p_verify.add_argument("--json", action="store_true", help=json_help)
+    p_ls = sub.add_parser("ls", help="the checkpoints of a run directory as a table: step, epoch, score, size, "
+                          "valid, best and last")
+    p_ls.add_argument("directory", help="a run's checkpoint directory (OrtCheckpoint's dirpath)")
+    p_ls.add_argument("--verify", action="store_true", help="check every tensor's checksum too (reads everything)")
+    p_ls.add_argument("--json", action="store_true", help=json_help)
     p_consolidate = sub.add_parser("consolidate", help="write a sharded checkpoint directory as one ORT checkpoint "
                                    "file (a tensor at a time)")
     p_consolidate.add_argument("directory", help="a sharded checkpoint directory (its checkpoint.ort-meta)")
     p_consolidate.add_argument("output", help="the ORT checkpoint file to write (and <output>.data past 2 GiB)")
+    p_consolidate.add_argument("--json", action="store_true", help=json_help)
     p_export = sub.add_parser("export", help="export a checkpoint to an ONNX inference model, checked against "
                               "ONNX Runtime")
     p_export.add_argument("file", help="an ORT or torch checkpoint")
@@ -60,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_export.add_argument("--tolerance", type=_tolerance, default=1e-5,
                           help="largest accepted |ONNX Runtime - torch| on the example input (default 1e-5)")
     p_export.add_argument("--external-data", action="store_true", help="keep the weights in <output>.data")
+    p_export.add_argument("--json", action="store_true", help=json_help)
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -70,8 +87,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - a command line prints one error line, never a traceback
-        print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        _say_error(f"{type(e).__name__}: {_first_line(e)}", args)
         return 1
+
+
+def _say_error(message: str, args: argparse.Namespace, prefix: str = "error: ") -> None:
+    """One error line on stderr, or, with ``--json``, one JSON document on stdout."""
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "error": message}))
+    else:
+        print(f"{prefix}{message}", file=sys.stderr)
 
 
 def _tolerance(text: str) -> float:
@@ -85,60 +110,112 @@ def _tolerance(text: str) -> float:
     return value
 
 
-def _shown(text: str) -> str:
-    """``text`` with each character a terminal would act on or hide (escape sequences, control characters, line
-    breaks, bidirectional overrides: whatever is not printable) written as its Python escape: names and values come
-    from the file, and printing them raw would let a file rewrite the terminal."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
-def _first_line(error: BaseException) -> str:
-    """An exception's message as one printable line (the first, with a count of the rest)."""
-    lines = str(error).strip().splitlines() or [""]
-    more = f" ({len(lines) - 1} more lines)" if len(lines) > 1 else ""
-    return _shown(lines[0]) + more
-
-
 def _run(args: argparse.Namespace) -> int:
-    """Exit status: 0 done, 1 the file is invalid or the command failed (an ``error:`` line says why)."""
+    """Exit status: 0 done, 1 a checkpoint is invalid or the command failed (a line says why)."""
     if args.command == "export":
         return _export(args)
     if args.command == "consolidate":
         return _consolidate(args)
-    try:
-        with _single_file(args.file) as single, store_for(single).fetched(single) as local, \
-                CheckpointReader(local) as reader:  # a URL: downloaded first; a sharded directory: consolidated
-            report = describe(reader)
-            if local != args.file:  # the report names the URL or directory, not the local copy
-                report["file"] = args.file
-                report["files"] = {args.file + name[len(local):]: size for name, size in report["files"].items()}
-            if args.command == "verify":
-                reader.verify()
-                report["lightning_check"] = _check_lightning(reader)
-    except ModuleNotFoundError as e:  # torch, to read a sharded checkpoint directory
-        return _missing(e, args.command)
-    except CheckpointError as e:
-        if args.command == "inspect" and args.json:
-            print(json.dumps({"file": args.file, "valid": False, "error": str(e)}))
-        else:
-            print(f"INVALID {_first_line(e)}" if args.command == "verify" else f"error: {_first_line(e)}",
+    if args.command == "ls":
+        return ls(args.directory, as_json=args.json, verify=args.verify)
+    units, several = expand(args.paths)
+    reports: list[dict[str, Any]] = []
+    for path, nothing in units:
+        if several and not args.json and args.command == "inspect" and reports:
+            print()
+        if nothing is None:
+            reports.append(_one(args, path))
+            continue
+        reports.append({"file": path, "valid": False, "error": nothing})  # a glob or directory without any
+        if not args.json:
+            print(f"{'INVALID' if args.command == 'verify' else 'error:'} {_shown(path)}: {_shown(nothing)}",
                   file=sys.stderr)
-            if args.command == "verify" and (note := damage_note(args.file, str(e))):
+    failed = [r for r in reports if not r.get("valid", True)]
+    if args.json:
+        doc: Any = reports[0] if not several and len(reports) == 1 else {
+            "checkpoints": reports, "summary": {"checkpoints": len(reports), "failed": len(failed)}}
+        print(json.dumps(_json_safe(doc), indent=2, allow_nan=False))
+    elif several:
+        verb = "verified" if args.command == "verify" else "inspected"
+        good = "OK" if args.command == "verify" else "readable"
+        print(f"{verb} {len(reports)} checkpoint(s): {len(reports) - len(failed)} {good}, {len(failed)} "
+              f"{'INVALID' if args.command == 'verify' else 'failed'}"
+              + (f" ({', '.join(_shown(r['file']) for r in failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+def _one(args: argparse.Namespace, path: str) -> dict[str, Any]:
+    """Inspect or verify one checkpoint (a file, a URL or a sharded folder), printing what the command prints for
+    it (nothing with ``--json``); its report, ``valid`` False when it failed."""
+    verify = args.command == "verify"
+    try:
+        report, reader = _report(path, verify)
+    except ModuleNotFoundError as e:  # torch, to read a sharded checkpoint directory
+        message = _missing_message(e, args.command)
+        if not args.json:
+            print(f"error: {message}", file=sys.stderr)
+        return {"file": path, "valid": False, "error": message}
+    except CheckpointError as e:
+        if not args.json:
+            print(f"INVALID {_first_line(e)}" if verify else f"error: {_first_line(e)}", file=sys.stderr)
+            if verify and (note := damage_note(path, str(e))):
                 print(f"  {_shown(note)}", file=sys.stderr)
-        return 1
-    if args.command == "verify":
-        print(f"OK {_shown(args.file)}: {_summary(report)}")
-        verified = reader.checksums is not None and reader.checksums.usable
-        print(f"  checksums: {_shown(report['checksums'])}" + (", every tensor matches" if verified else ""))
+        return {"file": path, "valid": False, "error": str(e)}
+    if args.json:
+        return report
+    if verify:
+        print(f"OK {_shown(path)}: {_summary(report)}")
+        print(f"  checksums: {_shown(report['checksums'])}" + (", every tensor matches" if reader else ""))
         if report["lightning_check"]:
             print(f"  Lightning metadata: {report['lightning_check']}")
         for warning in report["ort_warnings"]:
             print(f"  note: {warning}")
-        return 0
-    print(json.dumps(_json_safe(report), indent=2, allow_nan=False) if args.json else _render(report))
-    return 0
+        return report
+    print(_render(report))
+    if report.get("damaged"):
+        print(f"error: {_shown(path)}: damaged, run verify: {_shown(report['damaged'])}", file=sys.stderr)
+    return report
+
+
+def _report(path: str, verify: bool) -> tuple[dict[str, Any], bool]:
+    """What ``inspect`` (or ``verify``) says of one checkpoint, and whether every tensor's checksum was checked.
+    ``inspect`` checks the checksums of the smallest tensors, :data:`_INSPECT_HASH_BYTES` of them at most: a
+    mismatch is reported as ``damaged`` (the report is still shown) and the report's ``valid`` is False."""
+    from ._loading import single_file
+
+    with single_file(path) as single, store_for(single).fetched(single) as local, CheckpointReader(local) as reader:
+        report = describe(reader)  # a URL: downloaded first; a sharded directory: consolidated
+        if local != path:  # the report names the URL or directory, not the local copy
+            report["file"] = path
+            report["files"] = {path + name[len(local):]: size for name, size in report["files"].items()}
+        if verify:
+            reader.verify()
+            report["lightning_check"] = _check_lightning(reader)
+        else:
+            report["checksums_checked"], report["damaged"] = _spot_check(reader)
+            report["valid"] = report["damaged"] is None
+        return report, verify and reader.checksums is not None and reader.checksums.usable
+
+
+_INSPECT_HASH_BYTES = 64 << 20  # inspect hashes this much of the smallest tensors; verify hashes everything
+
+
+def _spot_check(reader: CheckpointReader) -> tuple[int, str | None]:
+    """How many tensors' checksums ``inspect`` checked (the smallest first, within its budget), and the first
+    mismatch it met (None if none)."""
+    if reader.checksums is None or not reader.checksums.usable:
+        return 0, None
+    checked = budget = 0
+    for info in sorted(reader.tensors(), key=lambda i: i.nbytes):
+        budget += info.nbytes
+        if budget > _INSPECT_HASH_BYTES:
+            break
+        try:
+            reader.verify_tensor(info)
+        except CorruptCheckpointError as e:
+            return checked, _first_line(e)
+        checked += 1
+    return checked, None
 
 
 def _check_lightning(reader: CheckpointReader) -> str | None:
@@ -209,42 +286,20 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _is_directory(path: str) -> bool:
-    """A local directory, or a URL naming no file (perhaps a sharded checkpoint's folder): only then does the CLI
-    load torch, to read a sharded checkpoint."""
-    if not is_remote(path):
-        return os.path.isdir(path)
-    store = store_for(path)
-    return store.exists(path) and not store.read_head(path, 1)
-
-
-@contextlib.contextmanager
-def _single_file(path: str) -> Any:
-    """``path``, or a sharded checkpoint directory consolidated into a temporary file (``_consolidate``)."""
-    if not _is_directory(path):
-        yield path
-        return
-    from ._consolidate import single_file  # torch: a sharded checkpoint was written with it
-
-    with single_file(path) as single:
-        yield single
-
-
 def _consolidate(args: argparse.Namespace) -> int:
     try:
         from ._consolidate import consolidate  # torch: a sharded checkpoint was written with it
     except ModuleNotFoundError as e:
-        return _missing(e, args.command)
+        return _missing(e, args)
     try:
         consolidate(args.directory, args.output)
     except CheckpointError as e:
-        print(f"error: {_first_line(e)}", file=sys.stderr)
-        return 1
+        return _failed(_first_line(e), args)
     except OSError as e:
-        print(f"error: cannot consolidate {_shown(args.directory)} into {_shown(args.output)}: "
-              f"{e.strerror or e}", file=sys.stderr)
-        return 1
-    print(f"consolidated {_shown(args.directory)} into {_shown(args.output)}")
+        return _failed(f"cannot consolidate {_shown(args.directory)} into {_shown(args.output)}: "
+                       f"{e.strerror or e}", args)
+    _done(f"consolidated {_shown(args.directory)} into {_shown(args.output)}", args,
+          {"directory": args.directory, "output": args.output})
     return 0
 
 
@@ -252,39 +307,41 @@ def _export(args: argparse.Namespace) -> int:
     try:
         from .export import export_onnx, load_module_class  # torch and onnxruntime: only for this command
     except ModuleNotFoundError as e:
-        return _missing(e, args.command)
+        return _missing(e, args)
     try:
         module_class = load_module_class(args.module)
     except CheckpointError as e:
-        print(f"error: {_first_line(e)}", file=sys.stderr)
-        return 1
+        return _failed(_first_line(e), args)
     except BaseException as e:  # noqa: BLE001 - the user's module ran and failed (SyntaxError, SystemExit, ...)
         if isinstance(e, KeyboardInterrupt):
             raise
-        print(f"error: cannot import --module {_shown(args.module)}: {type(e).__name__}: {_first_line(e)}",
-              file=sys.stderr)
-        return 1
+        return _failed(f"cannot import --module {_shown(args.module)}: {type(e).__name__}: {_first_line(e)}", args)
     try:
         report = export_onnx(module_class, args.file, args.output, tolerance=args.tolerance,
                              external_data=args.external_data or None)
     except CheckpointError as e:
-        print(f"error: {_first_line(e)}", file=sys.stderr)
-        return 1
+        return _failed(_first_line(e), args)
     except ModuleNotFoundError as e:  # onnx or onnxruntime, imported when the export reaches them
-        return _missing(e, args.command)
+        return _missing(e, args)
     except OSError as e:
         where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != args.output else ""
-        print(f"error: cannot write {_shown(args.output)}{_shown(where)}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        return _failed(f"cannot write {_shown(args.output)}{_shown(where)}: {e.strerror or e}", args)
     except TypeError as e:  # load_from_checkpoint could not construct the class (it needs arguments)
-        print(f"error: cannot build {_shown(args.module)} from the checkpoint: {_first_line(e)}", file=sys.stderr)
-        return 1
+        return _failed(f"cannot build {_shown(args.module)} from the checkpoint: {_first_line(e)}", args)
     except Exception as e:  # noqa: BLE001 - the user's module failed inside the export: one line, not a traceback
-        print(f"error: cannot export {_shown(args.file)} with {_shown(args.module)}: {type(e).__name__}: "
-              f"{_first_line(e)}", file=sys.stderr)
-        return 1
-    print(report)
+        return _failed(f"cannot export {_shown(args.file)} with {_shown(args.module)}: {type(e).__name__}: "
+                       f"{_first_line(e)}", args)
+    _done(str(report), args, dataclasses.asdict(report))
     return 0
+
+
+def _failed(message: str, args: argparse.Namespace) -> int:
+    _say_error(message, args)
+    return 1
+
+
+def _done(text: str, args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    print(json.dumps(_json_safe({"ok": True, **doc}), allow_nan=False) if args.json else text)
 
 
 _INSTALL = {"torch": "torch (pip install torch; see docs/guide.md, Install)",
@@ -293,16 +350,17 @@ _INSTALL = {"torch": "torch (pip install torch; see docs/guide.md, Install)",
                            "onnxruntime-training has wheels for CPython 3.11 on x86_64 Linux only)"}
 
 
-def _missing(e: ModuleNotFoundError, command: str) -> int:
-    """A package ``command`` needs (torch for a sharded checkpoint; onnx and onnxruntime for the export) is not
-    installed: say which, and what to install (exit status 1)."""
+def _missing_message(e: ModuleNotFoundError, command: str) -> str:
+    """What a missing package means: torch for a sharded checkpoint; onnx and onnxruntime for the export (which
+    to install); any other module is the user's code's own error."""
     top = (e.name or "").partition(".")[0]
-    if top not in _INSTALL:  # a module the user's code imports: its own error
-        print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
-    else:
-        print(f"error: ort-ckpt {command} needs {top}, which is not installed: install {_INSTALL[top]}",
-              file=sys.stderr)
-    return 1
+    if top not in _INSTALL:
+        return f"{type(e).__name__}: {_first_line(e)}"
+    return f"ort-ckpt {command} needs {top}, which is not installed: install {_INSTALL[top]}"
+
+
+def _missing(e: ModuleNotFoundError, args: argparse.Namespace) -> int:
+    return _failed(_missing_message(e, args.command), args)
 
 
 def describe(reader: CheckpointReader) -> dict[str, Any]:
@@ -320,6 +378,10 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
                        "states": {p: [_tensor(m) for m in ms.values()] for p, ms in g.states.items()}})
     props = [{"name": n, "type": type(v).__name__, "value": v} for n, v in reader.properties.items()]
     every = reader.tensors()
+    module_frozen, bookkeeping = _frozen_parts(reader)
+    for p in params:
+        p["role"] = ("parameter" if p["kind"] == "trainable" else
+                     "Lightning bookkeeping" if p["name"] in bookkeeping else "buffer or frozen parameter")
     return {
         "file": reader.path, "files": files, "checksums": reader.checksum_status(), "version": reader.version,
         "nominal": reader.nominal,
@@ -328,11 +390,26 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
         "totals": {"trainable": len(reader.trainable), "frozen": len(reader.frozen),
                    "trainable_elements": sum(_numel(i) for i in reader.trainable.values()),
                    "frozen_elements": sum(_numel(i) for i in reader.frozen.values()),
+                   "buffers_or_frozen_parameters": len(module_frozen),
+                   "buffers_or_frozen_parameters_elements": sum(_numel(reader.frozen[n]) for n in module_frozen),
+                   "lightning_bookkeeping": len(bookkeeping),
                    "tensors": len(every), "data_bytes": sum(i.nbytes for i in every),
                    "file_bytes": sum(files.values())},
         "lightning": _lightning_summary(reader.properties.get(MANIFEST)),
         "ort_warnings": _ort_warnings(reader),
     }
+
+
+def _frozen_parts(reader: CheckpointReader) -> tuple[list[str], list[str]]:
+    """The file's frozen tensors in two parts: the module's (buffers and frozen parameters: ORT calls both frozen;
+    the names its Lightning metadata lists as the ``state_dict``) and the rest, Lightning's bookkeeping stored as
+    tensors (random states, callback scores). A file without our Lightning metadata (ORT wrote it) has none."""
+    manifest = _manifest(reader.properties.get(MANIFEST))
+    names = manifest.get("state_dict") if manifest is not None else None
+    if manifest is None or not isinstance(names, list):
+        return list(reader.frozen), []
+    module = set(names) | {v for v in (manifest.get("aliases") or {}).values() if isinstance(v, str)}
+    return [n for n in reader.frozen if n in module], [n for n in reader.frozen if n not in module]
 
 
 def _lightning_summary(manifest: Any) -> dict[str, Any] | None:
@@ -383,16 +460,16 @@ def _ort_warnings(reader: CheckpointReader) -> list[str]:
 
 def _summary(r: dict[str, Any]) -> str:
     t = r["totals"]
-    return (f"{t['trainable']} trainable and {t['frozen']} frozen tensors, {len(r['optimizer_groups'])} optimizer "
+    return (f"{t['trainable']} parameters, {_module_frozen(t)}, {len(r['optimizer_groups'])} optimizer "
             f"group(s), {len(r['properties'])} properties, {_size(t['file_bytes'])}")
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""  # unreachable
+def _module_frozen(t: dict[str, Any]) -> str:
+    """The frozen tensors in words: buffers and frozen parameters apart from Lightning's bookkeeping."""
+    words = f"{t['buffers_or_frozen_parameters']} buffers or frozen parameters"
+    if t["lightning_bookkeeping"]:
+        words += f", {t['lightning_bookkeeping']} tensors of Lightning's bookkeeping (random states, callback state)"
+    return words
 
 
 def _value(prop: dict[str, Any]) -> str:
@@ -400,23 +477,6 @@ def _value(prop: dict[str, Any]) -> str:
         return _f32(prop["value"])
     text = _shown(repr(prop["value"]))
     return text if len(text) <= 100 else f"{text[:80]}... ({len(prop['value']):,} characters; --json shows all)"
-
-
-def _columns(text: str) -> int:
-    """How many terminal columns ``text`` takes: East Asian wide characters take two, combining marks none."""
-    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
-
-
-def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
-    """Lines of a table whose columns fit their widest cell, whatever the names (columns in ``right`` align
-    right); the cells are already made printable."""
-    widths = [max(_columns(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        pads = [" " * (w - _columns(c)) for c, w in zip(cells, widths)]
-        return "  ".join(p + c if i in right else c + p for i, (c, p) in enumerate(zip(cells, pads))).rstrip()
-
-    return [line(header), *map(line, rows)]
 
 
 def _f32(value: float) -> str:
@@ -431,7 +491,8 @@ def _render(r: dict[str, Any]) -> str:
                  f"nominal: {'yes' if r['nominal'] else 'no'}; {_shown(r['checksums'])}")
     if r["parameters"]:
         lines += ["", *_table(["parameter", "kind", "dtype", "shape", "bytes", "storage"],
-                              [[_shown(p["name"]), p["kind"], p["dtype"], str(p["shape"]), f"{p['bytes']:,}",
+                              [[_shown(p["name"]), "lightning" if p["role"] == "Lightning bookkeeping" else p["kind"],
+                                p["dtype"], str(p["shape"]), f"{p['bytes']:,}",
                                 p["storage"]] for p in r["parameters"]], right={4})]
     for g in r["optimizer_groups"]:
         lines += ["", f"optimizer group {_shown(g['name'])}: step {g['step']}, initial learning rate "
@@ -445,8 +506,15 @@ def _render(r: dict[str, Any]) -> str:
         lines += ["", "properties:"]
         lines += [f"  {_shown(p['name'])} ({p['type']}) = {_value(p)}" for p in r["properties"]]
     t = r["totals"]
-    lines += ["", f"totals: {t['trainable']} trainable ({t['trainable_elements']:,} elements), {t['frozen']} frozen "
-                  f"({t['frozen_elements']:,} elements), {t['tensors']} tensors, {_size(t['data_bytes'])} of data, "
-                  f"{_size(t['file_bytes'])} on disk"]
+    frozen = t["buffers_or_frozen_parameters"]
+    bookkeeping = (f", {t['lightning_bookkeeping']} of Lightning's bookkeeping (random states, callback state)"
+                   if t["lightning_bookkeeping"] else "")
+    lines += ["", f"totals: {t['trainable']} trainable ({t['trainable_elements']:,} elements), {frozen} frozen "
+                  f"({t['buffers_or_frozen_parameters_elements']:,} elements){bookkeeping}, {t['tensors']} tensors, "
+                  f"{_size(t['data_bytes'])} of data, {_size(t['file_bytes'])} on disk",
+              f"  trainable: parameters ORT trains; frozen: buffers and frozen parameters of the module"]
+    if "checksums_checked" in r:
+        lines.append(f"checksums: {r['checksums_checked']} of {t['tensors']} tensors checked"
+                     + (" (verify checks every tensor)" if r["checksums_checked"] < t["tensors"] else ""))
     lines += [f"note: {w}" for w in r["ort_warnings"]]
     return "\n".join(lines)

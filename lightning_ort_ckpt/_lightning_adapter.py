@@ -7,8 +7,8 @@ smoke tests on the floor, the whole suite runs on the newest.
 Three kinds of use:
 
 - **reads and calls** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`,
-  :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`) and of the fit loop's private
-  state layout (:func:`fit_loop_state_at_step`): functions here;
+  :func:`logger_log_model`, :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`) and
+  of the fit loop's private state layout (:func:`fit_loop_state_at_step`): functions here;
 - **overrides and calls** of ``ModelCheckpoint``'s private methods by ``OrtCheckpoint``: listed in
   :data:`MODEL_CHECKPOINT_PRIVATE` (the tests check that every supported Lightning has them);
 - **the per-strategy wrap** of ``save_checkpoint``/``load_checkpoint`` (:func:`wrap_strategy_checkpointing`): the
@@ -74,6 +74,12 @@ def raw_checkpoint_io(strategy: Any) -> Any:
     """The ``CheckpointIO`` given to ``strategy``, or None: the public ``checkpoint_io`` property would create and
     install a ``TorchCheckpointIO`` when there is none."""
     return strategy.__dict__.get("_checkpoint_io")
+
+
+def logger_log_model(logger: Any) -> Any:
+    """A logger's ``log_model`` setting (``MLFlowLogger``, ``WandbLogger``, ``LitLogger``: False, True or "all"),
+    kept only as ``_log_model``; False for loggers without it."""
+    return getattr(logger, "_log_model", False)
 
 
 def resolve_ckpt_dir(callback: Any, trainer: Any) -> Any:

@@ -77,3 +77,25 @@ def test_env_script_installs_only_when_pyproject_or_pins_change(tmp_path: Path) 
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '2'\n")
     assert source("pytorch-lightning==2.5.3") == 3  # a changed pyproject.toml: install
     assert source("pytorch-lightning==2.5.3") == 3
+
+
+def test_env_script_says_each_step_and_its_time(tmp_path: Path) -> None:
+    """No minute of silence: a fresh install prints a line per step (start, then end with its time) and pip's own
+    per-package lines (pip runs without --quiet); an up-to-date .venv says so in one line."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "env.sh", tmp_path / "scripts" / "env.sh")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    fake = tmp_path / ".venv" / "bin" / "python"
+    fake.parent.mkdir(parents=True)
+    fake.write_text('#!/bin/sh\ncase "$*" in *--quiet*) exit 3;; esac\necho "Collecting torch==2.13.0"\n')
+    fake.chmod(0o755)
+
+    def source() -> str:
+        return subprocess.run(["bash", "-c", "set -euo pipefail; source scripts/env.sh"], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout
+
+    first = source().splitlines()
+    assert first[0].startswith("[env] installing torch 2.13.0") and first[0].endswith("...")
+    assert first[1] == "Collecting torch==2.13.0"
+    assert first[2].startswith("[env] installing torch 2.13.0") and first[2].endswith(" s")
+    assert source().strip() == "[env] .venv is up to date with pyproject.toml: nothing to install"

@@ -6,6 +6,16 @@ from ._dtypes import DataType
 from ._reader import CheckpointReader, GroupInfo, TensorInfo, load_checkpoint, open_checkpoint
 from ._writer import save_checkpoint
 
+
+def __getattr__(name: str) -> object:
+    """0.2's ``Checkpoint``, renamed ``CheckpointContents`` in 0.3 (it shadowed Lightning's ``Checkpoint``)."""
+    if name == "Checkpoint":
+        from ._deprecated import warn_once
+
+        warn_once("lightning_ort_ckpt.format.Checkpoint", "use lightning_ort_ckpt.format.CheckpointContents")
+        return CheckpointContents
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "GROUP_ZERO", "CheckpointContents", "CheckpointReader", "DataType", "Deferred", "GroupInfo", "OptimizerGroup", "TensorInfo",
     "StoredAs", "data_path", "load_checkpoint", "open_checkpoint", "save_checkpoint",

@@ -1,0 +1,215 @@
+"""``ort-ckpt`` for whole runs: the paths ``verify`` and ``inspect`` take (files, sharded checkpoint folders, run
+directories, globs), and ``ort-ckpt ls RUN_DIR``, a run as a table. Runs without torch (a sharded checkpoint's
+folder is then listed, not checked).
+
+``ls`` shows each checkpoint of the directory (``_run_listing``) with the step, epoch and monitored score its own
+metadata records, its size on disk (a file with its ``.data``, or a folder's files; a file hard-linked by several
+checkpoints, as frozen sharing's ``.data`` are, counts once, for the first checkpoint that holds it), whether it is
+valid (the reader's every structural check; ``--verify`` hashes every tensor too) or why not, and which is the
+best (the ``best_model_path`` the newest checkpoint's callback state records) and which the last.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from typing import Any
+
+from ._cli_text import shown as _shown
+from ._cli_text import size as _size
+from ._cli_text import table as _table
+from ._run_listing import Unit, is_run_directory, units
+from ._translation import MANIFEST
+from .errors import CheckpointError
+from .format._reader import CheckpointReader
+from .format._store import is_remote
+
+_GLOB_CHARS = "*?["
+
+
+def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
+    """The checkpoints ``paths`` name, in their order, each with None, or, for a path that named none, why; and
+    whether they are several (a summary line follows): a glob is expanded, a run directory gives its
+    checkpoints, anything else is itself."""
+    found: list[tuple[str, str | None]] = []
+    several = len(paths) > 1
+    for path in paths:
+        if is_remote(path) or os.path.lexists(path) or not any(c in path for c in _GLOB_CHARS):
+            matches = [path]
+        else:
+            several = True
+            matches = [p for p in sorted(glob.glob(path)) if not _part_of_another(p)]
+            if not matches:
+                found.append((path, "no file or folder matches"))
+        for match in matches:
+            if not is_remote(match) and is_run_directory(match):
+                several = True
+                inside = [(u.path, None) for u in units(match)]
+                found += inside or [(match, "a directory without checkpoints (no *.ckpt file or checkpoint "
+                                            "folder)")]
+            else:
+                found.append((match, None))
+    return list(dict.fromkeys(found)), several
+
+
+def _part_of_another(path: str) -> bool:
+    """A ``.data`` companion whose checkpoint exists, a hidden temporary: parts of another unit, not one."""
+    name = os.path.basename(path)
+    return name.startswith(".") or (name.endswith(".data") and os.path.exists(path[:-len(".data")]))
+
+
+# -- ls --------------------------------------------------------------------------------------------------------------
+def ls(directory: str, as_json: bool, verify: bool) -> int:
+    """Print the table (or the JSON document) of ``directory``'s checkpoints; exit status 1 if one is not valid."""
+    if not os.path.isdir(directory):
+        message = f"{directory}: not a directory (ort-ckpt ls takes a run's checkpoint directory)"
+        print(json.dumps({"ok": False, "error": message}) if as_json else f"error: {_shown(message)}",
+              file=sys.stdout if as_json else sys.stderr)
+        return 1
+    rows = [_row(u, verify) for u in units(directory)]
+    rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["epoch"] or 0, r["link"] is not None, r["name"]))
+    seen: set[tuple[int, int]] = set()
+    for r in rows:
+        r["bytes"], r["shared_bytes"] = _sizes(r.pop("files"), seen)
+    _mark(rows)
+    invalid = [r for r in rows if r["problem"]]
+    total, shared = sum(r["bytes"] for r in rows), sum(r["shared_bytes"] for r in rows)
+    if as_json:
+        print(json.dumps({"directory": directory, "checkpoints": rows, "bytes": total, "shared_bytes": shared,
+                          "invalid": len(invalid)}, indent=2, allow_nan=False, default=str))
+        return 1 if invalid else 0
+    monitor = next((r["monitor"] for r in rows if r["monitor"]), None)
+    header = ["checkpoint", "step", "epoch", monitor or "score", "size", "valid", ""]
+    table = [[_shown(r["name"] + (f" -> {r['link']}" if r["link"] else "")), _text(r["step"]), _text(r["epoch"]),
+              _score(r["score"]), _size(r["bytes"]) + (f" (+{_size(r['shared_bytes'])} shared)"
+                                                       if r["shared_bytes"] else ""),
+              "ok" if not r["problem"] else _shown(r["problem"]), ", ".join(r["marks"])] for r in rows]
+    for line in _table(header, table, right={1, 2, 3, 4}):
+        print(line)
+    check = "every tensor's checksum checked" if verify else "structure checked; --verify hashes every tensor"
+    print(f"{len(rows)} checkpoint(s) in {_shown(directory)}, {_size(total)} on disk"
+          + (f" ({_size(shared)} of hard-linked files counted once)" if shared else "")
+          + f"; {len(invalid)} not valid ({check})")
+    return 1 if invalid else 0
+
+
+def _row(unit: Unit, verify: bool) -> dict[str, Any]:
+    name = os.path.basename(unit.path)
+    row: dict[str, Any] = {"name": name, "path": unit.path, "kind": "folder" if unit.folder else "file",
+                           "step": None, "epoch": None, "monitor": None, "score": None, "best_model_path": None,
+                           "problem": None, "link": _link(unit.path), "files": unit.files()}
+    if not unit.committed:
+        row["problem"] = "half-written: a checkpoint folder without checkpoint.ort-meta (its save did not finish)"
+    elif unit.folder:
+        _folder_row(row, unit.path, verify)
+    else:
+        _file_row(row, unit.path, verify)
+    return row
+
+
+def _file_row(row: dict[str, Any], path: str, verify: bool) -> None:
+    try:
+        with CheckpointReader(path) as reader:
+            if verify:
+                reader.verify()
+            _from_metadata(row, reader)
+    except CheckpointError as e:
+        row["problem"] = str(e).removeprefix(f"{path}: ")
+
+
+def _folder_row(row: dict[str, Any], path: str, verify: bool) -> None:
+    """A sharded checkpoint: its metadata document checked (and every shard hashed with ``--verify``)."""
+    try:
+        from ._dcp_storage import read_metadata
+    except ModuleNotFoundError:  # torch wrote it, and reads it
+        row["problem"] = "not checked: a sharded checkpoint needs torch (pip install torch)"
+        return
+    try:
+        tree = read_metadata(path).get("tree")
+        if isinstance(tree, dict):
+            row["step"], row["epoch"] = _int(tree.get("global_step")), _int(tree.get("epoch"))
+        if verify:
+            from ._loading import single_file
+
+            with single_file(path) as single, CheckpointReader(single) as reader:
+                reader.verify()
+    except CheckpointError as e:
+        row["problem"] = str(e)
+
+
+def _from_metadata(row: dict[str, Any], reader: CheckpointReader) -> None:
+    """Step, epoch, monitored score and the callback's best path, from the file's Lightning metadata (only plain
+    values; the score is a tensor of the file, read with its checksum checked)."""
+    try:
+        doc = json.loads(str(reader.properties.get(MANIFEST, "null")))
+        values = doc["values"]
+    except (TypeError, ValueError, KeyError, RecursionError):
+        return  # ORT wrote it: no Lightning metadata
+    if not isinstance(values, dict):
+        return
+    row["step"], row["epoch"] = _int(values.get("global_step")), _int(values.get("epoch"))
+    callbacks = values.get("callbacks")
+    for state in callbacks.values() if isinstance(callbacks, dict) else ():
+        if isinstance(state, dict) and isinstance(state.get("monitor"), str):
+            row["monitor"] = state["monitor"]
+            row["best_model_path"] = state.get("best_model_path") if isinstance(state.get("best_model_path"),
+                                                                                str) else None
+            row["score"] = _tensor_value(reader, state.get("current_score"))
+            return
+
+
+def _tensor_value(reader: CheckpointReader, ref: Any) -> float | None:
+    name = ref.get("__tensor__") if isinstance(ref, dict) else None
+    info = reader.frozen.get(name) if isinstance(name, str) else None
+    if info is None or info.shape != () or info.storage == "none":
+        return None
+    reader.verify_tensor(info)
+    return float(reader.numpy(info))
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _link(path: str) -> str | None:
+    return os.readlink(path) if os.path.islink(path) else None
+
+
+def _sizes(files: list[str], seen: set[tuple[int, int]]) -> tuple[int, int]:
+    """Bytes of ``files`` not counted yet, and bytes already counted (hard links to a file listed before)."""
+    new = shared = 0
+    for f in files:
+        try:
+            st = os.stat(f)
+        except OSError:
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            shared += st.st_size
+        else:
+            seen.add(key)
+            new += st.st_size
+    return new, shared
+
+
+def _mark(rows: list[dict[str, Any]]) -> None:
+    """``best``: the checkpoint the newest one's callback state calls best; ``last``: Lightning's last name, or
+    the newest checkpoint when there is none."""
+    newest = next((r for r in reversed(rows) if r["best_model_path"]), None)
+    best = os.path.basename(newest["best_model_path"]) if newest else None
+    lasts = [r for r in rows if r["name"].startswith("last") and not r["problem"]]
+    last = lasts[-1]["name"] if lasts else next((r["name"] for r in reversed(rows) if not r["problem"]), None)
+    for r in rows:
+        r["marks"] = [m for m, hit in (("best", r["name"] == best), ("last", r["name"] == last)) if hit]
+        r["best"], r["last"] = "best" in r["marks"], "last" in r["marks"]
+        del r["best_model_path"]
+
+
+def _text(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _score(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
