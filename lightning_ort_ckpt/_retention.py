@@ -27,3 +27,37 @@ def retain(saved: Sequence[str], waiting: Collection[str], protected: Collection
         waiting.update(saved[:-keep_newest])
     delete = sorted(waiting - protected)
     return delete, waiting - set(delete)
+
+
+class Ledger:
+    """The files a callback saved and the ones waiting to go: the state :func:`retain` decides on, kept together.
+
+    ``saved``: the files saved for top-k or periodically, oldest first (part of each file's callback state, so that a
+    run resumed from it can still rotate them out); ``waiting``: files let go but not deleted yet; ``last_unranked``:
+    the newest file saved unranked (without ``keep_newest`` only that one is kept).
+    """
+
+    def __init__(self, keep_newest: int | None) -> None:
+        self.keep_newest = keep_newest
+        self.saved: list[str] = []
+        self.waiting: set[str] = set()
+        self.last_unranked = ""
+
+    def saving(self, path: str) -> None:
+        """``path`` is being saved: it is the newest, and no longer waiting to go."""
+        if path in self.saved:
+            self.saved.remove(path)
+        self.saved.append(path)
+        self.waiting.discard(path)
+
+    def saving_unranked(self, path: str) -> None:
+        """``path`` is saved unranked: without ``keep_newest``, the previous unranked file goes."""
+        previous, self.last_unranked = self.last_unranked, path
+        if self.keep_newest is None and previous and previous != path:
+            self.waiting.add(previous)
+
+    def release(self, protected: Collection[str]) -> list[str]:
+        """The files to delete now (forgotten here); the others wait on."""
+        delete, self.waiting = retain(self.saved, self.waiting, protected, self.keep_newest)
+        self.saved = [p for p in self.saved if p not in delete]
+        return delete

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, open_checkpoint
-from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
+from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.format import _atomic as atomic
 from ort_reference import ort_api
 
@@ -517,14 +517,31 @@ def test_resume_last_skips_a_damaged_newest_file(tmp_path: Any) -> None:
     assert_ort_files(tmp_path, files_after_fit(tmp_path) - {name(2, 12)})
 
 
-def test_resume_last_with_every_file_damaged_starts_fresh(tmp_path: Any) -> None:
+def test_resume_last_with_every_file_damaged_raises_one_error_listing_each(tmp_path: Any) -> None:
+    """O1: dirpath holds checkpoints and none can be resumed: one error naming each and why, before training."""
+    fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2)
+    _damage(tmp_path / name(0, 4), -1)  # truncated to half
+    _damage(tmp_path / name(1, 8), 0)  # empty
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as raised:
+        fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2, ckpt_path="last")
+    message = str(raised.value)
+    assert message.startswith(f'{tmp_path}: ckpt_path="last": none of its 2 checkpoint(s) can be resumed from: '), \
+        message
+    for damaged in (name(1, 8), name(0, 4)):
+        assert f"{tmp_path / damaged} (" in message, message
+    assert 'resume_fallback="scratch"' in message
+    assert files_after_fit(tmp_path) == {name(0, 4), name(1, 8)}  # nothing trained, nothing written
+
+
+def test_resume_last_with_every_file_damaged_starts_fresh_when_asked(tmp_path: Any) -> None:
     fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2)
     assert files_after_fit(tmp_path) == {name(0, 4), name(1, 8)}
     _damage(tmp_path / name(0, 4), -1)  # truncated to half
     _damage(tmp_path / name(1, 8), 0)  # empty
     with pytest.warns(CheckpointWarning) as record, \
             pytest.warns(UserWarning, match="there is no last checkpoint available"):
-        trainer = fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2, ckpt_path="last")
+        trainer = fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1, resume_fallback="scratch"), 2,
+                      ckpt_path="last")
     damaged = {str(tmp_path / name(0, 4)), str(tmp_path / name(1, 8))}
     assert {n for n in damaged for w in record if issubclass(w.category, CheckpointWarning) and n in str(w.message)} \
         == damaged
