@@ -41,10 +41,10 @@ from . import _lightning_adapter, _ranks, _registry, _resume
 from ._binding import bound_plugin
 from ._namespaces import loaded, namespace_of
 from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
-from ._resume import LastChoice, ResumeFallback
+from ._resume import ResumeFallback
 from ._retention import Ledger
 from ._save_decision import SaveDecision, Verdict
-from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
+from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
 from .format._store import StorageOptions, Store, local_path, store_for
 from .format._writer import ExternalData
 
@@ -130,7 +130,7 @@ class OrtCheckpointMixin(_Base):
         self._verdict = Verdict.PLAIN  # what the save in progress is (LAST inside _save_last_checkpoint)
         self._hook = Hook.OTHER
         self._link_target: str | None = None  # what last.ckpt points to once queued work is done
-        self._choice: LastChoice | None = None  # what ckpt_path="last" resolved to in this fit (None: not asked)
+        self._resumption = _resume.Resumption(resume_fallback)
         _lightning_adapter.LAST_RESOLUTION.hold_while(self)
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -151,14 +151,13 @@ class OrtCheckpointMixin(_Base):
         self.checkpoint_io.bind(trainer.strategy)
         if self.checkpoint_io.storage_options is not None and not self._store().local:
             _lightning_adapter.set_checkpoint_filesystem(self, self.dirpath, self.checkpoint_io.storage_options)
-        options, mine = self.checkpoint_io.storage_options, self._choice
-        self._choice = _ranks.agree(trainer, self.dirpath, self._store(), stage == "fit", mine, lambda agreed: (
-            self._unresumable(agreed) or _resume.adopt(mine, agreed, self.checkpoint_io, options)))
-        if self._unresumable(self._choice):  # rank 0 read them all: every rank raises (O1)
-            raise _resume.unresumable(str(self.dirpath), self._choice)
-        if self._choice is not None and self._choice.folder:  # F2: a sharded load that fails falls back
-            _lightning_adapter.wrap_next_load(trainer.strategy, lambda load: _resume.falling_back(
-                load, self._choice, _ranks.all_ranks(trainer), self._fell_back_to(trainer), str(self.dirpath)))
+        self._resumption.agree(lambda mine, adopt: _ranks.agree(trainer, self.dirpath, self._store(), stage == "fit",
+                                                                mine, adopt),
+                               str(self.dirpath), self.checkpoint_io, self.checkpoint_io.storage_options)
+        fallback = self._resumption.loading(_ranks.all_ranks(trainer), str(self.dirpath),
+                                            lambda path: _lightning_adapter.set_resumed_path(trainer, path))
+        if fallback is not None:  # F2: a sharded load that fails on any rank falls back on every rank
+            _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
 
     @property
     def include_optimizer_state(self) -> bool:
@@ -175,11 +174,10 @@ class OrtCheckpointMixin(_Base):
         return store_for(path if path is not None else self.dirpath, self.checkpoint_io.storage_options)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get("callbacks")
-        twin = "ModelCheckpoint" + self.state_key[len(type(self).__qualname__):]
+        """A file of a ModelCheckpoint with the same monitor, mode and triggers: carry on with its ranking, as
+        ModelCheckpoint itself would (Lightning restores it next, by our key)."""
+        states, twin = checkpoint.get("callbacks"), "ModelCheckpoint" + self.state_key[len(type(self).__qualname__):]
         if isinstance(states, dict) and self.state_key not in states and twin in states:
-            # a file of a ModelCheckpoint with the same monitor, mode and triggers: carry on with its ranking, as
-            # ModelCheckpoint itself would (Lightning restores it next, by our key)
             states[self.state_key] = states[twin]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -188,7 +186,7 @@ class OrtCheckpointMixin(_Base):
         super().on_train_start(trainer, pl_module)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._choice = None
+        self._resumption.choice = None
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns (and exports)
         super().teardown(trainer, pl_module, stage)
 
@@ -299,8 +297,7 @@ class OrtCheckpointMixin(_Base):
 
     def _resumed_last(self, path: str) -> bool:
         """Whether ``path`` is what ``ckpt_path="last"`` resolved to: one of ours, rotating as usual."""
-        return self._choice is not None and self._choice.path is not None and \
-            self._store(path).absolute(path) == self._store(self._choice.path).absolute(self._choice.path)
+        return self._resumption.is_last(path, lambda p: self._store(p).absolute(p))
 
     def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str) -> bool:
         """Lightning's test (not the current file, inside ``dirpath``, not the file resumed from), with ``..`` and
@@ -313,36 +310,21 @@ class OrtCheckpointMixin(_Base):
         return bool(super()._should_remove_checkpoint(trainer, previous, current))
 
     def _confined(self, path: str) -> bool:
-        """Whether this callback may delete ``path`` or make a link there or to it: a visible ``*.ckpt`` name in
-        ``dirpath`` or a folder below it, after ``..`` and symbolic links in its folders are resolved (the name
-        itself is unlinked, never followed), on ``dirpath``'s store. Paths restored from a file are trusted no
-        further."""
-        name = os.path.basename(path)
-        if not self.dirpath or name.startswith(".") or not name.endswith(self.FILE_EXTENSION):
-            return False
-        return type(self._store(path)) is type(self._store()) and self._store(path).contains(self.dirpath, path)
+        """Whether this callback may delete ``path`` or link there or to it (``_registry.belongs``)."""
+        return bool(self.dirpath) and _registry.belongs(self.dirpath, path, self.FILE_EXTENSION, self._store)
 
     def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:
         """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable; on a store
-        without links, a copy, independent of ``filepath`` from then on."""
-        error: Exception | None = None
-        if not (self._confined(filepath) and self._confined(linkpath)):
-            error = CheckpointError(f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; "
-                                    f"refusing to link {linkpath!r} to {filepath!r}", linkpath)
-        elif trainer.is_global_zero and self._store().absolute(filepath) != self._store().absolute(linkpath):
-            try:
-                self.checkpoint_io.link(filepath, linkpath)  # queued behind the save of filepath when asynchronous
+        without links, a copy, independent of ``filepath`` from then on. Every rank raises, or none."""
+        refused = None if self._confined(filepath) and self._confined(linkpath) else CheckpointError(
+            f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; refusing to link {linkpath!r} "
+            f"to {filepath!r}", linkpath)
+        if refused is None and trainer.is_global_zero and self._store().absolute(filepath) != \
+                self._store().absolute(linkpath):
+            refused = _ranks.attempt(lambda: self.checkpoint_io.link(filepath, linkpath), filepath, linkpath)
+            if refused is None:  # queued behind the save of filepath when asynchronous
                 self._link_target = filepath if self._store(linkpath).local else None
-            except CheckpointError as e:
-                error = e
-            except OSError as e:
-                error = CheckpointSaveError(f"cannot link it to {filepath!r} ({e.strerror or e})", linkpath)
-        # ModelCheckpoint's barrier, carrying whether the link was made: every rank raises, or none
-        if not trainer.strategy.reduce_boolean_decision(error is None, all=True) and error is None:
-            error = CheckpointSaveError(f"global rank 0 could not link it to {filepath!r} (its error says why)",
-                                        linkpath)
-        if error is not None:
-            raise error
+        _ranks.raise_together(trainer, refused, filepath, linkpath)
 
     # -- resume (_registry, _resume) -----------------------------------------------------------------------------
     def resolve_last(self, trainer: Any) -> str | None:
@@ -360,27 +342,10 @@ class OrtCheckpointMixin(_Base):
             self._ledger.waiting.update(half)
             _warn(f"{', '.join(sorted(half))}: checkpoint folder(s) without {_registry.FOLDER_COMMIT_NAME} (a save "
                   "that did not finish): not resumed from, and deleted after the next save")
-        self._choice = _resume.resolve_last(entries, rank_zero=rank_zero, storage_options=self.checkpoint_io.
-                                            storage_options, io=bound_plugin(trainer) or self.checkpoint_io)
-        if self._unresumable(self._choice) and trainer.world_size == 1:  # (several ranks: in setup, all together)
-            raise _resume.unresumable(str(directory), self._choice)
-        if self._choice.path is None and self._choice.problems and rank_zero:
-            _warn(f'ckpt_path="last": no checkpoint in {directory} can be resumed from; training from scratch '
-                  '(resume_fallback="scratch")')
-        return {self._choice.path} if self._choice.path else set()
-
-    def _unresumable(self, choice: LastChoice | None) -> bool:
-        """O1: "last" found checkpoints and none can be resumed, and the user did not opt in to start afresh."""
-        return choice is not None and choice.path is None and bool(choice.problems) and \
-            self.resume_fallback != "scratch"
-
-    def _fell_back_to(self, trainer: Any) -> Callable[[str], None]:
-        def fell_back(path: str) -> None:
-            self._choice = LastChoice(path, self._store(path).exists(self._store(path).join(
-                path, _registry.FOLDER_COMMIT_NAME)))
-            _lightning_adapter.set_resumed_path(trainer, path)
-
-        return fell_back
+        found = self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
+                                      io=bound_plugin(trainer) or self.checkpoint_io,
+                                      storage_options=self.checkpoint_io.storage_options)
+        return {found} if found else set()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,
@@ -392,13 +357,8 @@ class OrtCheckpointMixin(_Base):
         self.current_score_step = state_dict.get("current_score_step")
         self._decision.load_state_dict(state_dict)
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # only our own files, and never trusted beyond
-            saved = state_dict.get("saved", [])
-            self._ledger.saved = [p for p in saved if self._confined(p) and self._store(p).exists(p)]
-            unranked = state_dict.get("last_unranked", "")
-            self._ledger.last_unranked = unranked if self._confined(unranked) else ""
-            named = [*self.best_k_models, self.kth_best_model_path, self.best_model_path, self.last_model_path,
-                     *saved, unranked]
-            outside = sorted({p for p in named if p and not self._confined(p)})
+            kept = (*self.best_k_models, self.kth_best_model_path, self.best_model_path, self.last_model_path)
+            outside = self._ledger.restore(state_dict, kept, self._confined, lambda p: self._store(p).exists(p))
             if outside:
                 _warn(f"the checkpoint's callback state names files that are not checkpoints inside dirpath "
                       f"{self.dirpath!r}: {', '.join(outside)}; they will never be deleted or linked")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._resume import LastChoice
-from .errors import CheckpointConfigError, CheckpointError
+from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError
 from .format._store import Store
 
 MARKER_PREFIX = ".ort_ckpt.shared."  # the file rank 0 writes in dirpath at setup, for every rank to find
@@ -81,3 +81,23 @@ def agree(trainer: Any, dirpath: str | None, store: Store, writing: bool, mine: 
 def all_ranks(trainer: Any) -> Callable[[bool], bool]:
     """One collective: True where every rank says True (F2's agreement on a load)."""
     return lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True))
+
+
+def attempt(link: Callable[[], None], filepath: str, linkpath: str) -> Exception | None:
+    """Rank 0 links ``linkpath`` to ``filepath``; the error it met, or None."""
+    try:
+        link()
+    except CheckpointError as e:
+        return e
+    except OSError as e:
+        return CheckpointSaveError(f"cannot link it to {filepath!r} ({e.strerror or e})", linkpath)
+    return None
+
+
+def raise_together(trainer: Any, error: Exception | None, filepath: str, linkpath: str) -> None:
+    """ModelCheckpoint's barrier after a link, carrying whether it was made: every rank raises, or none (one that
+    raised alone would leave the others waiting in the next collective)."""
+    if not trainer.strategy.reduce_boolean_decision(error is None, all=True) and error is None:
+        error = CheckpointSaveError(f"global rank 0 could not link it to {filepath!r} (its error says why)", linkpath)
+    if error is not None:
+        raise error

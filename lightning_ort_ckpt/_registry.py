@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -127,3 +128,13 @@ def _counter(tree: object, key: str) -> int | None:
 
 def _with_size(store: Store, entry: Entry) -> Entry:
     return replace(entry, size=store.size(entry.path))
+
+
+def belongs(directory: str, path: str, extension: str, store_of: Callable[[str], Store]) -> bool:
+    """Whether ``path`` is a checkpoint of ``directory``, which its callback may delete or link: a visible
+    ``*<extension>`` name in ``directory`` or a folder below it, on the same store, after ``..`` and symbolic links
+    in its folders are resolved (the name itself is never followed)."""
+    name = os.path.basename(path)
+    if name.startswith(".") or not name.endswith(extension):
+        return False
+    return type(store_of(path)) is type(store_of(directory)) and store_of(path).contains(directory, path)

@@ -161,3 +161,57 @@ def _warn_skipped(rank_zero: bool, path: str, why: str) -> None:
     if rank_zero:
         warnings.warn(f"{path} cannot be resumed from ({why}); trying the next newest checkpoint", CheckpointWarning,
                       stacklevel=3)
+
+
+class Resumption:
+    """What ``ckpt_path="last"`` resolved to in one fit (:attr:`choice`, None where "last" was not asked), and
+    what follows from it: O1's error, the ranks' agreement, the load that falls back."""
+
+    def __init__(self, fallback: ResumeFallback) -> None:
+        self.fallback = fallback
+        self.choice: LastChoice | None = None
+
+    def find(self, entries: list[_registry.Entry], directory: str, *, rank_zero: bool, alone: bool, io: Holder,
+             storage_options: StorageOptions | None) -> str | None:
+        """Resolve "last" over ``entries`` (``alone``: one rank, which raises O1 at once; several ranks raise it
+        together in :meth:`agree`)."""
+        self.choice = resolve_last(entries, rank_zero=rank_zero, io=io, storage_options=storage_options)
+        if alone and self.unresumable(self.choice):
+            raise unresumable(directory, self.choice)
+        if self.choice.path is None and self.choice.problems and rank_zero:
+            warnings.warn(f'ckpt_path="last": no checkpoint in {directory} can be resumed from; training from '
+                          'scratch (resume_fallback="scratch")', CheckpointWarning, stacklevel=3)
+        return self.choice.path
+
+    def unresumable(self, choice: LastChoice | None) -> bool:
+        """O1: "last" found checkpoints and none can be resumed, and the user did not opt in to start afresh."""
+        return choice is not None and choice.path is None and bool(choice.problems) and self.fallback != "scratch"
+
+    def agree(self, agree: Callable[[LastChoice | None, Callable[[LastChoice | None], bool]], LastChoice | None],
+              directory: str, io: Holder, storage_options: StorageOptions | None) -> None:
+        """Take rank 0's choice through ``agree`` (``_ranks.agree``, which raises where a rank cannot follow);
+        every rank raises O1 together."""
+        mine = self.choice
+        self.choice = agree(mine, lambda agreed: self.unresumable(agreed) or adopt(mine, agreed, io, storage_options))
+        if self.unresumable(self.choice):
+            raise unresumable(directory, self.choice)  # type: ignore[arg-type]
+
+    def is_last(self, path: str, absolute: Callable[[str], str]) -> bool:
+        """Whether ``path`` is what "last" resolved to: one of the callback's own checkpoints, rotating as usual."""
+        return self.choice is not None and self.choice.path is not None and \
+            absolute(path) == absolute(self.choice.path)
+
+    def loading(self, all_ranks: Callable[[bool], bool], directory: str,
+                resumed: Callable[[str], None]) -> Callable[[Callable[[str], Any]], Callable[[str], Any]] | None:
+        """F2: for a chosen folder, the wrap of the strategy's next load that falls back (:func:`falling_back`);
+        ``resumed`` learns where it went."""
+        choice = self.choice
+        if choice is None or not choice.folder:
+            return None
+
+        def went(path: str) -> None:
+            rest = choice.fallbacks[choice.fallbacks.index(path) + 1:]
+            self.choice = LastChoice(path, False, rest)
+            resumed(path)
+
+        return lambda load: falling_back(load, choice, all_ranks, went, directory)

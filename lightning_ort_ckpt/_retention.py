@@ -7,7 +7,8 @@ of a ``last`` link, the file a user resumed from. Everything else that is waitin
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 
 def retain(saved: Sequence[str], waiting: Collection[str], protected: Collection[str],
@@ -61,3 +62,13 @@ class Ledger:
         delete, self.waiting = retain(self.saved, self.waiting, protected, self.keep_newest)
         self.saved = [p for p in self.saved if p not in delete]
         return delete
+
+    def restore(self, state: dict[str, Any], kept: Collection[str], ours: Callable[[str], bool],
+                exists: Callable[[str], bool]) -> list[str]:
+        """Take the files a checkpoint's callback ``state`` lists, only those that are ``ours`` (checkpoints of
+        this directory: paths restored from a file are trusted no further; saved ones that still exist); returns
+        the names it (and ``kept``, the ranking it restored) gives that are not ours, sorted."""
+        saved, unranked = state.get("saved", []), state.get("last_unranked", "")
+        self.saved = [p for p in saved if ours(p) and exists(p)]
+        self.last_unranked = unranked if ours(unranked) else ""
+        return sorted({p for p in (*kept, *saved, unranked) if p and not ours(p)})

@@ -698,3 +698,19 @@ def test_async_error_surfaces_at_the_end_of_fit(tmp_path: Any, monkeypatch: pyte
     assert trainer.global_step == 8
     assert files_after_fit(tmp_path) == {name(0, 4)}
     assert_ort_files(tmp_path)
+
+
+def test_verbose_logs_what_each_save_is_where_and_why(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """#33 point 5: one line per save, as ModelCheckpoint's (it logs a ranked save itself): what, where, why."""
+    cb = OrtCheckpoint(dirpath=tmp_path, monitor="val_loss", every_n_train_steps=2, save_last=True, verbose=True,
+                       save_top_k=1, keep_newest=1)
+    with caplog.at_level("INFO", logger="pytorch_lightning.utilities.rank_zero"):
+        fit(cb, 2, [1.0, 0.5])
+    lines = [r.getMessage() for r in caplog.records if "global step" in r.getMessage()]
+    unranked = (f"Epoch 1, global step 6: saving an unranked checkpoint to {str(tmp_path / name(1, 6))!r} (training "
+                "batch end; 'val_loss'=1.00000 was computed at step 4, not this one: not ranked, kept as one of the "
+                "newest)")
+    assert unranked in lines, lines
+    assert f"Epoch 1, global step 6: saving the last checkpoint to {str(tmp_path / 'last.ckpt')!r} (training batch " \
+           "end)" in lines, lines
+    assert any(line.startswith("Epoch 1, global step 8: 'val_loss' reached 0.50000") for line in lines), lines

@@ -11,7 +11,7 @@ One launch, four fits in the same two processes (each rank records what it saw):
 * F2, in a local directory: fit 3 saves folders at steps 2 and 4, then rank 0 flips one byte of a tensor in a shard
   of the step-4 folder; fit 4 resumes with "last": the load fails on the checksum, every rank falls back together
   to the step-2 folder (one collective), warning with the damaged shard file and tensor, and ``trainer.ckpt_path``
-  names the step-2 folder. Fit 4 saved steps 4 (as ``-v1``) and 6; rank 0 deletes a shard file of the step-6
+  names the step-2 folder. Fit 4 saved steps 4 (as ``-v1``: the damaged folder keeps its name) and 6; rank 0 deletes a shard file of the step-6
   folder, and fit 5 falls back from it (the missing shard named) to the step-4 save.
 """
 
@@ -102,7 +102,7 @@ def flip_a_tensor_byte(dirpath):
 
 
 def remove_a_shard(dirpath):
-    os.remove(sorted(glob.glob(os.path.join(dirpath, "epoch=0-step=6.ckpt", "shard-*.odtc")))[-1])
+    os.remove(sorted(glob.glob(os.path.join(dirpath, "epoch=1-step=6.ckpt", "shard-*.odtc")))[-1])
 
 
 OUT, S3 = sys.argv[1], sys.argv[2]
@@ -149,7 +149,7 @@ def test_f1_last_resumes_a_sharded_folder_on_s3_and_cleans_the_half_folder(runs:
         assert (seen["start"], seen["end"], seen["ckpt_path"]) == (4, 6, f"{url}/epoch=0-step=4.ckpt"), seen
     assert any("epoch=0-step=5.ckpt: checkpoint folder(s) without checkpoint.ort-meta" in w
                for w in record(tmp_path, "f1-last", 0)["warnings"])
-    assert left == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"]  # the half folder is gone
+    assert left == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt"]  # the half folder is gone
 
 
 def test_f2_a_damaged_shard_makes_every_rank_fall_back_together(runs: tuple[Path, str, list[str]]) -> None:
