@@ -279,10 +279,10 @@ def test_resuming_from_last_reads_the_chosen_file_once(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(FsspecStore, "fetched", fetched)
     monkeypatch.setattr(_reading, "read_contents", read_contents)
-    import lightning_ort_ckpt._callback as callback_module
     import lightning_ort_ckpt._plugin as plugin_module
+    import lightning_ort_ckpt._resume as resume_module
 
-    monkeypatch.setattr(callback_module, "read_contents", read_contents)
+    monkeypatch.setattr(resume_module, "read_contents", read_contents)
     monkeypatch.setattr(plugin_module, "read_contents", read_contents)
     trainer = pl.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False,

@@ -55,6 +55,7 @@ class FsspecStore:
 
     rewritable = False  # an upload cannot be written back into: the writer hashes first
     links = False
+    local = False
 
     def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = storage_options or {}
@@ -190,6 +191,21 @@ class FsspecStore:
 
     def link_target(self, path: str) -> str | None:
         return None
+
+    def join(self, directory: str, name: str) -> str:
+        return f"{directory.rstrip('/')}/{name}"
+
+    def absolute(self, path: str) -> str:
+        return path
+
+    def size(self, path: str) -> int:
+        fs, where = self._fs(path)
+        try:
+            if fs.isdir(where):
+                return int(sum(info.get("size") or 0 for info in fs.find(where, detail=True).values()))
+            return int(sum(fs.size(p) for p in (where, data_path(where)) if fs.isfile(p)))
+        except (OSError, ValueError):
+            return 0
 
     def contains(self, directory: str, path: str) -> bool:
         root, folder = posixpath.normpath(directory), posixpath.normpath(posixpath.dirname(path))

@@ -19,6 +19,7 @@ class LocalStore:
 
     rewritable = True
     links = hasattr(os, "link")
+    local = True
 
     def writing(self, path: str, *, with_data: bool, required_bytes: int,
                 link_data: tuple[str, Identity] | None = None) -> AbstractContextManager[SaveFiles]:
@@ -74,6 +75,16 @@ class LocalStore:
         if not os.path.islink(path):
             return None
         return os.path.join(os.path.dirname(path), os.readlink(path))
+
+    def join(self, directory: str, name: str) -> str:
+        return os.path.join(directory, name)
+
+    def absolute(self, path: str) -> str:
+        return os.path.abspath(path)
+
+    def size(self, path: str) -> int:
+        files = [path, _atomic.data_path(path)] if not os.path.isdir(path) else self._listed(path, True, False)
+        return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
 
     def contains(self, directory: str, path: str) -> bool:
         root = os.path.realpath(directory)

@@ -39,6 +39,8 @@ class Store(Protocol):
     """Whether the writer may write into a new file after streaming it (the checksum record); else it hashes first."""
     links: bool
     """Whether a new ``.data`` can be a hard link to an existing one (frozen sharing, ``format._shared_data``)."""
+    local: bool
+    """Whether its paths are the local file system's: :meth:`fetched` hands back the file itself (no download)."""
 
     def writing(self, path: str, *, with_data: bool, required_bytes: int,
                 link_data: tuple[str, Identity] | None = None) -> AbstractContextManager[SaveFiles]:
@@ -83,6 +85,18 @@ class Store(Protocol):
 
     def link_target(self, path: str) -> str | None:
         """Where the link ``path`` points (a path), or None when it is no link."""
+        ...
+
+    def join(self, directory: str, name: str) -> str:
+        """``name`` inside ``directory``, spelled as the store spells its paths."""
+        ...
+
+    def absolute(self, path: str) -> str:
+        """One spelling per file, to compare paths (a local path made absolute; a URL as it is)."""
+        ...
+
+    def size(self, path: str) -> int:
+        """The bytes of a file and its ``.data``, or of everything in a folder; 0 when it is gone."""
         ...
 
     def contains(self, directory: str, path: str) -> bool:
