@@ -140,7 +140,7 @@ class OrtStorageWriter(StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
                                        storage_data=_Location(name, key)))
         self.written = join(self.path, name)
-        save_checkpoint(contents, self.written, storage_options=self.storage_options)
+        save_checkpoint(contents, self.written, store=self.store)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
