@@ -208,7 +208,7 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
                 size = tensor.numel() * tensor.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=loc))
         self.written = join(self.path, name)
-        save_checkpoint(contents, self.written, storage_options=self.storage_options)
+        save_checkpoint(contents, self.written, store=self.store)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done

@@ -45,8 +45,7 @@ from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import (CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning,
                      CorruptCheckpointError)
 from .format import CheckpointContents, save_checkpoint
-from .format._atomic import wait_for_cleanup
-from .format._store import StorageOptions, Store, local_path, store_for
+from .format._store import StorageOptions, Store, local_path, store_for, wait_for_cleanup
 from .format._writer import ExternalData
 
 _EXTERNAL_DATA = ("auto", "never", "params", "all")
@@ -153,10 +152,11 @@ class OrtCheckpointIOMixin:
 
     def _write(self, ck: CheckpointContents, path: str, snap: _sharing.Snapshot | None, options: StorageOptions,
                keep: Collection[str]) -> None:
+        store = store_for(path, options)
         if snap is not None:
-            self._sharing.save(ck, path, snap, self.external_data, keep)
+            self._sharing.save(ck, path, snap, self.external_data, keep, store)
         else:
-            save_checkpoint(ck, path, external_data=self.external_data, storage_options=options)
+            save_checkpoint(ck, path, store=store, external_data=self.external_data)
 
     # -- loading ------------------------------------------------------------------------------------------------
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
