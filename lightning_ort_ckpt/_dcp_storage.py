@@ -135,7 +135,7 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """DCP's ``AsyncStager.stage``: a copy of ``state_dict`` that training cannot change, in reused memory."""
-        return stage_tree(self._stager, state_dict)  # type: ignore[no-any-return]
+        return stage_tree(self._stager, state_dict)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns once its copies are complete."""
