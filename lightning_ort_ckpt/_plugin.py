@@ -40,7 +40,7 @@ from typing import Any, Literal
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import _lightning_adapter, _rng, _sharing, _staging, _strategies, _train_start
+from . import _fabric, _lightning_adapter, _rng, _sharing, _staging, _strategies, _train_start
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
@@ -100,6 +100,7 @@ class OrtCheckpointIOMixin:
         self._executors: dict[bool, SaveExecutor] = {False: InlineSaves(), True: BackgroundSaves()}
         self._executor = self._executors[bool(async_save)]  # where every save and its file work run
         self._owner: weakref.ref[Any] | None = None
+        self._fabric: _fabric.FabricSaves | None = None  # the saves of the Fabric strategy this plugin serves
         self._unwrap: Any = None  # puts a sharded strategy's own save and load back (``_strategies.attach``)
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._resume_rng: tuple[Any, Any, str] | None = None  # (random states, epoch, path) to restore at train start
@@ -135,18 +136,24 @@ class OrtCheckpointIOMixin:
         options = self._options(storage_options)
         path = local_path(path)
         strategy = self._owner_strategy(checkpoint.get("state_dict"))
+        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
         info = None
-        if strategy is not None and strategy.lightning_module is not None:
+        if fabric is not None:  # no random states: Fabric leaves them to the script
+            checkpoint, info = fabric
+        elif strategy is not None and strategy.lightning_module is not None:
             info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
+            checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
         else:
             warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
                           "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "
                           "all are saved as frozen, and optimizer state by index. ORT can load the file but not train "
                           "from it; save through trainer.save_checkpoint (or fabric.save) for one it trains from.",
                           CheckpointWarning, stacklevel=2)
-        ck = to_ort({**checkpoint, RNG_KEY: _rng.capture()}, info, ort_compatible=self.ort_compatible)
+            checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
+        ck = to_ort(checkpoint, info, ort_compatible=self.ort_compatible)
         # a sharded module's state was gathered into a copy: nothing to share with or defer to the live module
-        module = strategy.lightning_module if info is not None and not _strategies.gathers(strategy) else None
+        module = (strategy.lightning_module if info is not None and fabric is None and not _strategies.gathers(strategy)
+                  else None)
         shares = (self.share_frozen and self.external_data == "auto" and module is not None
                   and store_for(path, options).links)
         snap = self._sharing.snapshot(ck, path, module) if shares else None
@@ -176,7 +183,7 @@ class OrtCheckpointIOMixin:
         if found is None:
             found = read_contents(path, self.storage_options)
         checkpoint = to_lightning(found, path, strategy) if isinstance(found, CheckpointContents) else found
-        return map_location_of(self.loaded(checkpoint, path), map_location)
+        return _fabric.fabric_state(map_location_of(self.loaded(checkpoint, path), map_location))
 
     def loaded(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
         """``checkpoint`` (read from ``path``) is what the bound fit resumes from: its random states are restored
@@ -296,7 +303,10 @@ class OrtCheckpointIOMixin:
         """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
         for as long as the strategy holds it, fit after fit (a sharded strategy keeps saving and loading through this
         plugin after ``teardown``), as if ``BindCheckpointIO`` were there. DeepSpeed is refused here, when the
-        Trainer is made."""
+        Trainer is made. A Fabric strategy: its saves are watched for the modules and optimizers (``_fabric``)."""
+        if _fabric.is_fabric_strategy(strategy):
+            self._fabric = _fabric.FabricSaves(strategy)
+            return
         self.bind(strategy)
         self._unwrap = None
 
