@@ -380,3 +380,101 @@ def _is_ort_stream(stream: Any) -> bool:
     head = stream.read(8)
     stream.seek(start)
     return isinstance(head, bytes) and head[4:8] == FILE_IDENTIFIER
+
+
+# -- the plugin alone: learning the strategy that holds it ------------------------------------------------------
+STRATEGY_CLASSES = (
+    ("pytorch_lightning.strategies.strategy", "Strategy"),
+    ("lightning.pytorch.strategies.strategy", "Strategy"),
+    ("lightning_fabric.strategies.strategy", "Strategy"),
+    ("lightning.fabric.strategies.strategy", "Strategy"),
+)
+"""The base ``Strategy`` classes (Trainer's and Fabric's, per copy of Lightning) whose ``checkpoint_io`` setter
+:data:`CHECKPOINT_IO_ASSIGNMENT` wraps."""
+
+ASSIGNED_HOOK = "_ort_ckpt_assigned_to"
+"""The method a ``CheckpointIO`` of ours has, called with the strategy Lightning gives it to."""
+
+
+class CheckpointIOAssignment:
+    """The wrap of the ``checkpoint_io`` setter of Lightning's base ``Strategy`` classes, on while anyone holds it
+    (every ``OrtCheckpointIO`` does, while it exists): Lightning hands a plugin to its strategy with that setter
+    (``_AcceleratorConnector``, for ``Trainer(plugins=[...])`` and ``Fabric(plugins=[...])``, and ``OrtCheckpoint``
+    in ``setup``), and a ``CheckpointIO`` gets no other word of which strategy it serves. When the one set has
+    :data:`ASSIGNED_HOOK` (bare, or inside Lightning's ``AsyncCheckpointIO``), it is called with the strategy; every
+    other assignment is Lightning's own, unchanged. The last release puts Lightning's properties back. Strategies
+    that override the property (Fabric's FSDP and ModelParallel, which refuse a ``CheckpointIO``) are left alone."""
+
+    def __init__(self) -> None:
+        self._holders = 0
+        self._lock = threading.Lock()
+        self._wrapped: list[tuple[type, property]] = []
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._holders += 1
+            for module_name, name in STRATEGY_CLASSES:
+                module = sys.modules.get(module_name)
+                cls = getattr(module, name, None) if module is not None else None
+                prop = cls.__dict__.get("checkpoint_io") if cls is not None else None
+                if isinstance(prop, property) and prop.fset is not None and not getattr(prop.fset, _MARK, False):
+                    setattr(cls, "checkpoint_io", property(prop.fget, _announcing(prop.fset), prop.fdel, prop.__doc__))
+                    self._wrapped.append((cls, prop))  # type: ignore[arg-type]
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+            if self._holders == 0:
+                for cls, prop in reversed(self._wrapped):
+                    setattr(cls, "checkpoint_io", prop)
+                self._wrapped.clear()
+
+    def hold_while(self, owner: object) -> None:
+        """Hold the wrap on for as long as ``owner`` exists."""
+        self.acquire()
+        weakref.finalize(owner, self.release)
+
+
+def _announcing(fset: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    def checkpoint_io(strategy: Any, io: Any) -> None:
+        fset(strategy, io)
+        ours = io if hasattr(io, ASSIGNED_HOOK) else getattr(io, "checkpoint_io", None)  # AsyncCheckpointIO's
+        if hasattr(ours, ASSIGNED_HOOK):
+            getattr(ours, ASSIGNED_HOOK)(strategy)
+
+    setattr(checkpoint_io, _MARK, True)
+    return checkpoint_io
+
+
+CHECKPOINT_IO_ASSIGNMENT = CheckpointIOAssignment()
+
+
+def calling_strategy(io: Any, depth: int = 4) -> Any:
+    """The Trainer's strategy whose ``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint`` called ``io``
+    (bare or wrapped), found as the ``self`` of one of the ``depth`` calling frames above ``io``'s method; None for a call
+    from anywhere else. For a plugin that never saw its strategy's ``checkpoint_io`` setter (the Trainer was
+    unpickled in a spawned process)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        raw = getattr(candidate, "__dict__", {}).get("_checkpoint_io")
+        is_strategy = hasattr(type(candidate), "lightning_module")  # not the AsyncCheckpointIO wrapping ``io``
+        if is_strategy and raw is not None and (raw is io or getattr(raw, "checkpoint_io", None) is io):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def wrap_fabric_save(strategy: Any, save: Callable[..., Any]) -> None:
+    """Make ``strategy.save_checkpoint`` (this instance of a Fabric strategy, for as long as it exists) call
+    ``save(original, *args)``: what ``fabric.save`` asks is seen before Fabric turns its modules and optimizers into
+    state dicts. Wrapped again, it wraps Lightning's own method, never ours."""
+    original = type(strategy).save_checkpoint.__get__(strategy)
+
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        return save(original, *args, **kwargs)
+
+    setattr(save_checkpoint, _MARK, True)
+    strategy.__dict__["save_checkpoint"] = save_checkpoint

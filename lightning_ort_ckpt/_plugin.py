@@ -9,12 +9,15 @@ Lightning's ``TorchCheckpointIO``, so a run can switch formats midway. ``OrtChec
 
 A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
 optimizer state keyed by parameter name. The plugin asks the Lightning strategy it is bound to for the module and
-its optimizers (:meth:`OrtCheckpointIOMixin.bind`): ``OrtCheckpoint`` binds it in its ``setup``; used without it,
-add ``BindCheckpointIO()`` to the Trainer's callbacks (``_binding``). Where there is none (the plugin called
-directly, outside a ``Trainer``), it saves every ``state_dict`` entry as frozen and optimizer state under index
-names ``param<i>``, with a warning: the file still resumes exactly in Lightning, but ORT cannot train from it. The
-random states a file carries are restored when training starts (:meth:`OrtCheckpointIOMixin.restore_random_states`,
-called by the bound callback), after Lightning built the data loaders, as in the uninterrupted run.
+its optimizers (:meth:`OrtCheckpointIOMixin.bind`). It binds itself when Lightning hands it to a strategy
+(``Trainer(plugins=[OrtCheckpointIO()])``: ``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``), or, in a process that
+received its Trainer pickled (``ddp_spawn``), at the first save or load its strategy asks of it; ``OrtCheckpoint``
+and ``BindCheckpointIO`` bind it in their ``setup`` too. Called directly, outside a Trainer, it saves every
+``state_dict`` entry as frozen and optimizer state under index names ``param<i>``, with a warning: ORT cannot train
+from such a file. The random states a file carries are restored when training starts
+(:meth:`OrtCheckpointIOMixin.restore_random_states`, called by ``OrtCheckpoint``, ``BindCheckpointIO``, or the
+callback the plugin adds to a Trainer that has neither: ``_train_start``), after Lightning built the data loaders,
+as in the uninterrupted run.
 
 Frozen tensors that did not change since the previous save to the same directory are not written again where the
 store can link files: the new file's ``.data`` is a hard link to one of two independent copies written before
@@ -37,7 +40,7 @@ from typing import Any, Literal
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import _lightning_adapter, _rng, _sharing, _staging, _strategies
+from . import _fabric, _lightning_adapter, _rng, _sharing, _staging, _strategies, _train_start
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
@@ -96,10 +99,12 @@ class OrtCheckpointIOMixin:
         self._executors: dict[bool, SaveExecutor] = {False: InlineSaves(), True: BackgroundSaves()}
         self._executor = self._executors[bool(async_save)]  # where every save and its file work run
         self._owner: weakref.ref[Any] | None = None
+        self._fabric: _fabric.FabricSaves | None = None  # the saves of the Fabric strategy this plugin serves
         self._unwrap: Any = None  # puts a sharded strategy's own save and load back (``_strategies.attach``)
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._resume_rng: tuple[Any, Any, str] | None = None  # (random states, epoch, path) to restore at train start
         hold_ort_loading(self)
+        _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only: no thread, buffers or owner."""
@@ -130,17 +135,24 @@ class OrtCheckpointIOMixin:
         options = self._options(storage_options)
         path = local_path(path)
         strategy = self._owner_strategy(checkpoint.get("state_dict"))
+        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
         info = None
-        if strategy is not None and strategy.lightning_module is not None:
+        if fabric is not None:  # no random states: Fabric leaves them to the script
+            checkpoint, info = fabric
+        elif strategy is not None and strategy.lightning_module is not None:
             info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
+            checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
         else:
-            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer, so it cannot tell trainable "
-                          "parameters from buffers; all are saved as frozen and optimizer state by index. Lightning "
-                          "resumes it exactly; ORT can load it but not train from it. Add BindCheckpointIO() to the "
-                          "Trainer's callbacks.", CheckpointWarning, stacklevel=2)
-        ck = to_ort({**checkpoint, RNG_KEY: _rng.capture()}, info, ort_compatible=self.ort_compatible)
+            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
+                          "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "
+                          "all are saved as frozen, and optimizer state by index. ORT can load the file but not train "
+                          "from it; save through trainer.save_checkpoint (or fabric.save) for one it trains from.",
+                          CheckpointWarning, stacklevel=2)
+            checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
+        ck = to_ort(checkpoint, info, ort_compatible=self.ort_compatible)
         # a sharded module's state was gathered into a copy: nothing to share with or defer to the live module
-        module = strategy.lightning_module if info is not None and not _strategies.gathers(strategy) else None
+        module = (strategy.lightning_module if info is not None and fabric is None and not _strategies.gathers(strategy)
+                  else None)
         shares = (self.share_frozen and self.external_data == "auto" and module is not None
                   and store_for(path, options).links)
         snap = self._sharing.snapshot(ck, path, module) if shares else None
@@ -171,7 +183,7 @@ class OrtCheckpointIOMixin:
         if found is None:
             found = read_contents(path, self.storage_options)
         checkpoint = to_lightning(found, path, strategy) if isinstance(found, CheckpointContents) else found
-        return map_location_of(self.loaded(checkpoint, path), map_location)
+        return _fabric.fabric_state(map_location_of(self.loaded(checkpoint, path), map_location))
 
     def loaded(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
         """``checkpoint`` (read from ``path``) is what the bound fit resumes from: its random states are restored
@@ -180,6 +192,8 @@ class OrtCheckpointIOMixin:
         states = checkpoint.get(RNG_KEY)  # left in the dict: a caller may read them
         fitting = strategy is not None and _lightning_adapter.fitting(strategy)
         self._resume_rng = (states, checkpoint.get("epoch"), path) if states is not None and fitting else None
+        if self._resume_rng is not None:
+            _train_start.restore_at_train_start(_lightning_adapter.trainer_of(strategy.lightning_module), self)
         return checkpoint
 
     def hold(self, path: str, found: Any) -> None:
@@ -265,7 +279,10 @@ class OrtCheckpointIOMixin:
         being saved, while its module holds those tensors); else None."""
         owner = self._owner() if self._owner is not None else None
         if owner is None:
-            return None
+            owner = _lightning_adapter.calling_strategy(self)
+            if owner is None:
+                return None
+            self._ort_ckpt_assigned_to(owner)  # a Trainer that came pickled (spawn): bound at its first call
         io = _lightning_adapter.raw_checkpoint_io(owner)
         if io is not self and getattr(io, "checkpoint_io", None) is not self:  # used bare, or wrapped (async)
             return None
@@ -281,6 +298,17 @@ class OrtCheckpointIOMixin:
             self._unwrap()
         self._unwrap = _strategies.attach(strategy, self)
         self._executor.prepare(self._staged_sources)
+
+    def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
+        """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
+        for as long as the strategy holds it, fit after fit (a sharded strategy keeps saving and loading through this
+        plugin after ``teardown``), as if ``BindCheckpointIO`` were there. DeepSpeed is refused here, when the
+        Trainer is made. A Fabric strategy: its saves are watched for the modules and optimizers (``_fabric``)."""
+        if _fabric.is_fabric_strategy(strategy):
+            self._fabric = _fabric.FabricSaves(strategy)
+            return
+        self.bind(strategy)
+        self._unwrap = None
 
     def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
         """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate
