@@ -58,7 +58,7 @@ from .format import CheckpointContents, data_path, save_checkpoint
 from .format._checksums import param_key
 from .format._store import Store, store_for
 from .format._shared_data import (Identity, NotShared, SavedData, SharedFrozen, identity, is_reserve, keep_reserve,
-                                  reserves, sharing_checkpoints, verify_data, write_copy)
+                                  repair, reserves, sharing_checkpoints, verify_data, write_copy)
 from .format._writer import ExternalData
 
 MIN_BYTES = 64 << 10
@@ -556,12 +556,20 @@ def _resolve(spare: _Spare, copies: list[_Copy], path: str) -> None:
 
 
 def _warn_damaged(source: str, bad: list[str], path: str) -> None:
-    lost = sharing_checkpoints(source[:-len(".data")])
+    """Repair the checkpoints linking the damaged ``.data`` ``source`` (a fresh copy from good bytes, relinked:
+    ``format._shared_data.repair``) and say so, naming them."""
+    linking = sharing_checkpoints(source[:-len(".data")])
+    done = repair(linking)
+    lost = [n for r in done for n in r.lost]
+    fixed = [c for r in done for c in r.checkpoints]
     what = (f"frozen tensor {bad[0]!r} ({len(bad)} in all) no longer matches the checksum recorded when it was "
             f"written" if bad else "it could not be read back")
+    then = (f"{len(fixed)} checkpoint(s) linking to it were repaired (relinked to a fresh copy written from good "
+            f"bytes): {', '.join(os.path.basename(p) for p in fixed)}" if fixed else
+            f"tensor {lost[0]!r} is damaged in every copy: the checkpoints linking to it cannot be loaded: "
+            f"{', '.join(os.path.basename(p) for p in linking)}" if lost else "no checkpoint links to it any more")
     warnings.warn(f"{source}: this shared .data is damaged ({what}); {path} gets a fresh copy instead, and no "
-                  f"save links to it again. The {len(lost)} checkpoint(s) linking to it cannot be loaded: "
-                  f"{', '.join(os.path.basename(p) for p in lost) or 'none left'}", CheckpointWarning, stacklevel=5)
+                  f"save links to it again; {then}", CheckpointWarning, stacklevel=5)
 
 
 def _drop_temp(copy: _Copy) -> None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import warnings
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointWarning, CorruptCheckpointError
 from . import _checksums
 from ._contents import CheckpointContents, OptimizerGroup, PropertyValue
 from ._diskio import _pread_into, read_range
@@ -30,6 +31,7 @@ from . import _verification
 from ._files import CheckpointFiles
 from ._index import GroupInfo, TensorInfo
 from ._platform import portable_io
+from ._shared_data import OtherCopies, Slot
 from ._verification import Verification
 
 __all__ = ["CheckpointReader", "GroupInfo", "TensorInfo", "load_checkpoint", "open_checkpoint"]
@@ -49,20 +51,35 @@ class CheckpointReader:
     checksums: _checksums.Recorded | None
     """The tensor checksums the file records (None for a file ORT wrote: it records none)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+    healed: list[tuple[str, str]]
+    """The frozen tensors whose bytes were damaged in this checkpoint's shared ``.data`` and were read from another
+    copy instead, each with the file it was read from."""
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False, heal: bool = True) -> None:
         """``verify=True`` checks each tensor against its recorded checksum when it is read (:meth:`verify_tensor`).
-        A FlatBuffer ends before 2 GiB: a tail beyond is never mapped nor read."""
+        A FlatBuffer ends before 2 GiB: a tail beyond is never mapped nor read. ``heal`` (the default): a frozen
+        tensor damaged in a shared ``.data`` is read from another copy whose bytes match its checksum
+        (``_shared_data.OtherCopies``), with one warning naming the damaged file; ``heal=False`` raises instead."""
         self.path = os.fspath(path)
         self._verify = verify
         self._own: dict[int, np.ndarray] = {}  # tensor bytes read by load(), each in memory of its own
+        self._healed: dict[int, np.ndarray] = {}  # tensor bytes read from another copy, kept for the reader's life
+        self.healed = []
+        self._others: OtherCopies | None = None
         self._files = CheckpointFiles(self.path)
         try:
-            self._index = index = self._files.index()
+            self._index = index = self._files.index(short_ok=heal)
+            self._keys = index.keys
+            self._checks = Verification(index, self._files, self._own, self._heal if heal else None)
+            size = self._files.data_size
+            for info in index.external if size is not None else ():
+                if info.offset + info.nbytes > size:  # a truncated .data: only another copy can have these
+                    if not self._heal(info):
+                        index.check_data_size(size, self._files.data_path)
+                    self._checks.done(info)
         except BaseException:
-            self._files.close()
+            self.close()
             raise
-        self._keys = index.keys
-        self._checks = Verification(index, self._files, self._own)
         self.version, self.nominal, self.has_external_data = index.version, index.nominal, index.has_external_data
         self.trainable, self.frozen, self.optimizer_groups = index.trainable, index.frozen, index.optimizer_groups
         self.properties, self.checksums = index.properties, index.checksums
@@ -130,6 +147,8 @@ class CheckpointReader:
         the array goes: a sharded checkpoint's reader and its consolidation read one tensor at a time this way.
         Checked against the recorded checksum when the reader verifies."""
         self._checked_dtype(info)
+        if id(info) in self._healed:
+            return self._healed_into(info, out)
         fd, path = self._files.source(info)
         if out is None:
             own = read_range(fd, info.offset, info.nbytes, path) if info.nbytes else np.empty(0, np.uint8)
@@ -146,7 +165,17 @@ class CheckpointReader:
             h = _checksums.hasher(int(info.dtype), info.shape)
             h.update(own)
             self._checks.compare(info, h.intdigest())
+            if id(info) in self._healed:
+                return self._healed_into(info, out)
         return own
+
+    def _healed_into(self, info: TensorInfo, out: np.ndarray | None) -> np.ndarray:
+        """The bytes of ``info`` read from another copy, as :meth:`read_bytes` returns them."""
+        healed = self._healed[id(info)]
+        if out is None:
+            return healed.copy()
+        memoryview(out).cast("B")[:] = memoryview(healed)
+        return out
 
     def load(self, verify: bool = True) -> CheckpointContents:
         """Everything, as a :class:`CheckpointContents` of torch tensors (numpy arrays where torch is not installed), each in
@@ -171,6 +200,8 @@ class CheckpointReader:
         try:
             pending = []
             for info in stored:
+                if id(info) in self._healed:
+                    continue
                 fd, path = self._files.source(info)
                 self._own[id(info)] = read_range(fd, info.offset, info.nbytes, path)
                 if hashing is not None:
@@ -219,6 +250,29 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._files.close()
+        if self._others is not None:
+            self._others.close()
+
+    def _heal(self, info: TensorInfo) -> bool:
+        """Read frozen tensor ``info``, damaged in this checkpoint's ``.data``, from another copy where its bytes
+        there match the recorded checksum (warning once per reader, naming the damaged file); False where no copy
+        holds it intact."""
+        digest = self._checks.digest(info)
+        if info.kind != "frozen" or info.storage != "external" or digest is None:
+            return False
+        if self._others is None:
+            self._others = OtherCopies(self.path)
+        found = self._others.read(info.name, Slot(info.offset, info.nbytes, int(info.dtype), info.shape, digest))
+        if found is None:
+            return False
+        self._healed[id(info)] = np.frombuffer(found[0], dtype=np.uint8)
+        self.healed.append((info.name, found[1]))
+        if len(self.healed) == 1:
+            warnings.warn(f"{self.data_path}: frozen tensor {info.name!r} is damaged in this shared .data; it was read "
+                          f"from the other copy {found[1]} instead, whose bytes match the checksum recorded at save "
+                          f"time (other damaged tensors of it too). `ort-ckpt verify --repair {self.path}` makes the "
+                          "file whole: ONNX Runtime's own reader has no such fallback", CheckpointWarning, stacklevel=2)
+        return True
 
     def _fail(self, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, self.path)
@@ -230,7 +284,11 @@ class CheckpointReader:
         self.close()
 
     def _raw(self, info: TensorInfo) -> np.ndarray:
-        """The tensor's bytes: its own memory while :meth:`load` runs, else a view of the mapped file."""
+        """The tensor's bytes: read from another copy (healed), its own memory while :meth:`load` runs, else a view
+        of the mapped file."""
+        own = self._healed.get(id(info))
+        if own is not None:
+            return own
         own = self._own.get(id(info))
         if own is not None:
             return own
