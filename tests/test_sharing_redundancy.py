@@ -29,6 +29,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import _cli
+from lightning_ort_ckpt import _frozen_copies as frozen_copies
 from lightning_ort_ckpt import _sharing as sharing
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.format import CheckpointContents, CheckpointReader, load_checkpoint, save_checkpoint
@@ -220,15 +221,16 @@ def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, 
 
 
 def record_read_backs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """(thread, file name) of every read-back of a copy (``verify_data`` called by ``_sharing``) from now on."""
+    """(thread, file name) of every read-back of a copy (``verify_data`` called by ``_frozen_copies``, the copies
+    ``_sharing`` tracks) from now on."""
     calls: list[tuple[str, str]] = []
-    verify = sharing.verify_data
+    verify = frozen_copies.verify_data
 
     def recorded(path: str, *args: Any) -> Any:
         calls.append((threading.current_thread().name, os.path.basename(path)))
         return verify(path, *args)
 
-    monkeypatch.setattr(sharing, "verify_data", recorded)
+    monkeypatch.setattr(frozen_copies, "verify_data", recorded)
     return calls
 
 

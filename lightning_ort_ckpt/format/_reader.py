@@ -72,8 +72,8 @@ class CheckpointReader:
             self._keys = index.keys
             self._checks = Verification(index, self._files, self._own, self._heal if heal else None)
             size = self._files.data_size
-            for info in index.external if size is not None else ():
-                if info.offset + info.nbytes > size:  # a truncated .data: only another copy can have these
+            for info in index.external:  # past the end of a truncated .data: only another copy has these
+                if size is not None and info.offset + info.nbytes > size:
                     if not self._heal(info):
                         index.check_data_size(size, self._files.data_path)
                     self._checks.done(info)
@@ -174,7 +174,7 @@ class CheckpointReader:
         healed = self._healed[id(info)]
         if out is None:
             return healed.copy()
-        memoryview(out).cast("B")[:] = memoryview(healed)
+        np.copyto(out, healed.reshape(out.shape))
         return out
 
     def load(self, verify: bool = True) -> CheckpointContents:

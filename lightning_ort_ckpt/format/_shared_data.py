@@ -529,7 +529,7 @@ def _repair_one(inode: tuple[int, int], group: list[tuple[str, dict[str, Slot], 
     try:
         if _damaged(fresh, slots):  # pragma: no cover - what was just written and synced reads back different
             raise CheckpointSaveError("the repaired copy did not read back as written", data)
-        relinked = []
+        relinked: list[str] = []
         for path, _, _ in group:
             target = path + ".data"
             if _inode(target) != inode:
