@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
@@ -244,6 +244,11 @@ class OrtCheckpointIOMixin:
         self._raise_background_error()
         target, linkpath = local_path(target), local_path(linkpath)
         self._executor.run(store_for(linkpath, self.storage_options).link_or_copy, target, linkpath)
+
+    def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` where this plugin's saves run (inline, or on the background queue with
+        ``async_save=True``), in order with the saves, deletions and links asked for before and after it."""
+        self._executor.run(fn, *args)
 
     # -- life cycle ---------------------------------------------------------------------------------------------
     def wait(self) -> None:
