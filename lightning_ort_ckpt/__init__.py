@@ -16,13 +16,15 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; at run time th
     from ._binding import BindCheckpointIO
     from ._callback import OrtCheckpoint
     from ._consolidate import consolidate
+    from ._export_callback import ExportBest
     from ._plugin import OrtCheckpointIO
     from ._reading import disable_ort_loading, enable_ort_loading
 
 __version__ = "0.3.0"
 
 _LAZY = {"OrtCheckpoint": "._callback", "OrtCheckpointIO": "._plugin", "BindCheckpointIO": "._binding",
-         "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate"}
+         "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate",
+         "ExportBest": "._export_callback"}
 
 
 def __getattr__(name: str) -> Any:
@@ -38,7 +40,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BindCheckpointIO", "CheckpointConfigError", "CheckpointContents", "CheckpointError", "CheckpointReader",
-    "CheckpointSaveError", "CorruptCheckpointError", "DataType", "OptimizerGroup", "OrtCheckpoint",
+    "CheckpointSaveError", "CorruptCheckpointError", "DataType", "ExportBest", "OptimizerGroup", "OrtCheckpoint",
     "OrtCheckpointIO", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load_checkpoint",
     "open_checkpoint", "save_checkpoint",
 ]

@@ -65,7 +65,7 @@ def use_exporter(factory: Exporter) -> None:
 class Hook(Enum):
     """The hook a save happens in: the trigger a verbose line names."""
 
-    OTHER = "a save"
+    OTHER = "the end of training, or an exception"
     BATCH_END = "training batch end"
     EPOCH_END = "training epoch end"
     VALIDATION_END = "validation end"
