@@ -49,6 +49,8 @@ class ExportBestMixin:
         if not path:
             warnings.warn("export_best_to is set but no checkpoint was saved; nothing exported", CheckpointWarning)
             return
+        if isinstance(source, OrtCheckpointMixin):
+            source.checkpoint_io.wait()  # an asynchronous save: its file is durable first
         self.report = export_onnx(type(pl_module), path, self.to, tolerance=self.tolerance, reference=pl_module)
         namespace_of(trainer).attr("utilities.rank_zero_info")(f"OrtCheckpoint: {self.report}, checked against "
                                                                 "ONNX Runtime")
