@@ -99,11 +99,12 @@ class OrtCheckpointMixin(_Base):
         Raises:
             CheckpointConfigError: an argument, or a combination of them, is invalid.
         """
-        settings: dict[str, Any] = {k: v for k, v in (("external_data", external_data), ("ort_compatible", ort_compatible),
-                                      ("async_save", async_save), ("share_frozen", share_frozen),
-                                      ("storage_options", storage_options)) if v is not None}
-        triggers: dict[str, Any] = {k: v for k, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
-                                      ("train_time_interval", train_time_interval)) if v is not None}
+        settings: dict[str, Any] = {k: v for k, v in (
+            ("external_data", external_data), ("ort_compatible", ort_compatible), ("async_save", async_save),
+            ("share_frozen", share_frozen), ("storage_options", storage_options)) if v is not None}
+        triggers: dict[str, Any] = {k: v for k, v in (
+            ("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
+            ("train_time_interval", train_time_interval)) if v is not None}
         _check_arguments(self.plugin_class, triggers, keep_newest, include_optimizer_state, save_weights_only,
                          checkpoint_io, settings, resume_fallback, export_best_to)
         if keep_newest is not None and monitor is None and save_top_k == 1:
@@ -335,9 +336,10 @@ class OrtCheckpointMixin(_Base):
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
+        nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # sub-folders only where names make them
         entries = _registry.scan(directory, self._store(directory), self.checkpoint_io.storage_options,
                                  extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,
-                                 recursive="/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST) if directory else []
+                                 recursive=nested) if directory else []
         rank_zero = trainer.global_rank == 0
         half = [e.path for e in _registry.half(entries)]
         if half and rank_zero:  # saves that did not finish: retention deletes them once the next save is stored
