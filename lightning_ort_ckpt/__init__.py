@@ -33,6 +33,8 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
+        if name == "OrtCheckpoint":  # the export callback (layer 4) hands export_best_to its factory
+            importlib.import_module("._export_callback", __name__)
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     if name in _DEPRECATED:
         from .format._deprecated import warn_once

@@ -1,6 +1,8 @@
-"""The ordered background queue of asynchronous saves: one thread runs the plugin's file work (stage copies,
-writes, deletions, links) in the order it was asked for, so nothing is deleted or linked before the file it depends
-on is durable.
+"""Where the plugin's file work runs, chosen once when the plugin is made: :class:`InlineSaves` (on the training
+thread, at once) or :class:`BackgroundSaves` (``async_save=True``: the tensors are copied off training's memory by a
+``_staging.Stager``, then one thread runs the file work, stage copies, writes, deletions and links, in the order it
+was asked for, so nothing is deleted or linked before the file it depends on is durable: the
+:class:`BackgroundQueue`). Both are :class:`SaveExecutor`.
 
 It lives exactly as long as its plugin uses it: :meth:`BackgroundQueue.close` (the plugin's ``teardown``) waits for
 the queue, stops the thread and drops the ``atexit`` registration that otherwise finishes a save queued just before
@@ -18,8 +20,11 @@ import atexit
 import queue
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, Protocol
+
+from . import _staging
+from .format import CheckpointContents
 
 _STOP = object()
 
@@ -82,3 +87,92 @@ class BackgroundQueue:
             finally:
                 self._queue.task_done()
 
+
+
+Sources = Callable[[], "tuple[list[Any], list[Any]] | None"]
+"""What a save will stage (the module's tensors, the optimizers), or None where it is not known (``Stager.prepare``)."""
+
+
+class SaveExecutor(Protocol):
+    """How the plugin runs a save and the file work around it."""
+
+    def own(self, contents: CheckpointContents, path: str, deferrable: Iterable[Any], live: Iterable[Any],
+            wait: Callable[[], None], keep: Collection[str]) -> tuple[CheckpointContents, Collection[str]]:
+        """``contents`` in memory that training does not change until the file is written, and the frozen tensors
+        of ``keep`` left as the live ones (``_sharing``)."""
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` after everything run before it."""
+
+    def prepare(self, sources: Sources) -> None:
+        """Get ready, ahead of the first save, for saves of ``sources``."""
+
+    def join(self) -> None:
+        """Return once everything run so far has finished."""
+
+    def take_error(self) -> BaseException | None:
+        """The first error of work that ran out of the caller's sight, once."""
+
+    def close(self) -> BaseException | None:
+        """Finish everything, let go of threads and memory; the error not taken yet."""
+
+
+class InlineSaves:
+    """Everything at once, on the caller's thread: a save returns once its file is stored, so it needs no copy and
+    no error is ever left for later."""
+
+    def own(self, contents: CheckpointContents, path: str, deferrable: Iterable[Any], live: Iterable[Any],
+            wait: Callable[[], None], keep: Collection[str]) -> tuple[CheckpointContents, Collection[str]]:
+        return contents, frozenset()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        fn(*args)
+
+    def prepare(self, sources: Sources) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+    def take_error(self) -> BaseException | None:
+        return None
+
+    def close(self) -> BaseException | None:
+        return None
+
+
+class BackgroundSaves:
+    """Staged copies, and a :class:`BackgroundQueue` started at the first use and stopped by :meth:`close` (the
+    plugin's ``teardown``; a later save starts another)."""
+
+    def __init__(self) -> None:
+        self._queue: BackgroundQueue | None = None
+        self._stager = _staging.Stager()  # staging memory, reused from save to save
+
+    def own(self, contents: CheckpointContents, path: str, deferrable: Iterable[Any], live: Iterable[Any],
+            wait: Callable[[], None], keep: Collection[str]) -> tuple[CheckpointContents, Collection[str]]:
+        staged, copy_later = self._stager.stage(contents, path, deferrable, live, wait, keep)
+        self.run(copy_later)  # the copies an optimizer step waits for, first on the thread
+        return staged, keep
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._queue is None:
+            self._queue = BackgroundQueue()
+        self._queue.submit(fn, *args)
+
+    def prepare(self, sources: Sources) -> None:
+        self._stager.prepare(sources)
+
+    def join(self) -> None:
+        if self._queue is not None:
+            self._queue.join()
+
+    def take_error(self) -> BaseException | None:
+        return self._queue.take_error() if self._queue is not None else None
+
+    def close(self) -> BaseException | None:
+        queue_, self._queue = self._queue, None
+        if queue_ is not None:
+            queue_.close()
+        self._stager.close()
+        return queue_.take_error() if queue_ is not None else None

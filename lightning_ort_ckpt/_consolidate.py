@@ -31,6 +31,7 @@ from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import CheckpointContents, Deferred, StoredAs, save_checkpoint
 from .format._dtypes import from_torch
+from .format._store import store_for
 
 _EAGER_BYTES = 64 << 10  # smaller tensors are read while the tree is decoded (step counters, scores): cheap, and
 # the translation looks at some of their values (a common optimizer step)
@@ -71,7 +72,7 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
         except ValueError as e:
             raise CheckpointError(str(e), src) from None
         _defer(contents, stand_ins, files)
-        save_checkpoint(contents, out, storage_options=storage_options)
+        save_checkpoint(contents, out, store=store_for(out, storage_options))
 
 
 def _defer(contents: CheckpointContents, stand_ins: dict[int, tuple[torch.Tensor, dict[str, Any]]],

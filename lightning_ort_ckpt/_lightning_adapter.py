@@ -17,7 +17,15 @@ Three kinds of use:
   instance, these methods (and ``teardown``, which ends the plugin's work too) are ours (``_strategies``), set on
   that instance only and removed at the plugin's ``teardown``. The strategy's save mode is read here
   (:func:`sharded_state_dict`);
-- **the one wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
+- **the "last" wrap** of ``_CheckpointConnector._parse_ckpt_path`` (:data:`LAST_RESOLUTION`), on while an
+  ``OrtCheckpoint`` exists: ``ckpt_path="last"``, where every checkpoint callback of the Trainer is an
+  ``OrtCheckpoint`` (one) and no ``OnExceptionCheckpoint`` competes, is the checkpoint that callback resolves.
+  Lightning's own rule asks the file system for each candidate's modification time, which a checkpoint folder on
+  an object store (``s3://``, ``memory://``) does not have (``IsADirectoryError``); ours orders by the step each
+  checkpoint records. Every other ``ckpt_path`` goes to Lightning's function unchanged. The F2 fallback wraps one
+  ``load_checkpoint`` of a strategy instance for one load (:func:`wrap_next_load`) and names the checkpoint it
+  fell back to as the Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
+- **the loader wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
   ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
   content; every other file goes to Lightning's own function, unchanged. It is what lets
   ``LightningModule.load_from_checkpoint`` read ORT files, and the main process of the spawn/fork launchers read the
@@ -60,7 +68,7 @@ MODEL_CHECKPOINT_PRIVATE = (
     "_find_last_checkpoints", "_monitor_candidates",
     # methods it calls
     "_should_skip_saving_checkpoint", "_get_metric_interpolated_filepath_name", "_should_remove_checkpoint",
-    "_ModelCheckpoint__resolve_ckpt_dir",
+    "_ModelCheckpoint__resolve_ckpt_dir", "_should_save_on_train_epoch_end",
 )
 """The private methods of ``ModelCheckpoint`` that ``OrtCheckpoint`` overrides or calls. It also sets
 ``_every_n_train_steps``, ``_every_n_epochs`` and ``_train_time_interval`` (to combine triggers) and reads
@@ -103,6 +111,47 @@ def validation_follows(trainer: Any) -> bool | None:
         return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
     except AttributeError:
         return None
+
+
+def validation_follows_batch(trainer: Any) -> bool:
+    """Whether validation runs right after this training batch, at this same step.
+
+    Asks the epoch loop's own test (Lightning calls it right after this hook; it reads the batch index and whether
+    this is the last batch, both already final here). Validation by elapsed time is judged a moment early, so a save
+    may then be written unranked just before a value it could have waited for.
+    """
+    batches = trainer.num_val_batches
+    if not (sum(batches) if isinstance(batches, list) else batches):
+        return False
+    follows = validation_follows(trainer)
+    if follows is None:  # another Lightning version: ModelCheckpoint's own rule, the epoch's last batch
+        every = trainer.check_val_every_n_epoch
+        return bool(getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False)) and (
+            every is None or (trainer.current_epoch + 1) % every == 0)
+    return follows
+
+
+def set_resumed_path(trainer: Any, path: str) -> None:
+    """The Trainer's ``ckpt_path`` (what it resumed from) is ``path``: where a failed load fell back to. The public
+    setter would also mark it as set by the user."""
+    trainer._checkpoint_connector._ckpt_path = path
+
+
+def wrap_next_load(strategy: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """The next ``strategy.load_checkpoint(path, ...)`` of this instance goes through ``wrap(load)`` (``load``: the
+    method as it is now, ours where the plugin routes it), once; then the method is what it was."""
+    before = strategy.__dict__.get("load_checkpoint")
+    current = strategy.load_checkpoint
+
+    def load_once(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if before is None:
+            strategy.__dict__.pop("load_checkpoint", None)
+        else:
+            strategy.__dict__["load_checkpoint"] = before
+        return wrap(lambda p: current(p, *args, **kwargs))(path)
+
+    setattr(load_once, _MARK, getattr(before, _MARK, False))  # the plugin's unwrap removes it with its own
+    strategy.__dict__["load_checkpoint"] = load_once
 
 
 def trainer_of(module: Any) -> Any:
@@ -256,6 +305,61 @@ class OrtLoading:
 ORT_LOADING = OrtLoading()
 
 
+_CONNECTORS = ("pytorch_lightning.trainer.connectors.checkpoint_connector",
+               "lightning.pytorch.trainer.connectors.checkpoint_connector")
+
+
+class LastResolution:
+    """The wrap of ``_CheckpointConnector._parse_ckpt_path`` (module doc), on while anyone holds it, as
+    :class:`OrtLoading`. The callback that resolves "last" has a ``resolve_last(trainer)`` method."""
+
+    def __init__(self) -> None:
+        self._holders = 0
+        self._lock = threading.Lock()
+        self._wrapped: list[tuple[type, Any]] = []
+
+    def hold_while(self, owner: object) -> None:
+        with self._lock:
+            self._holders += 1
+            for module_name in _CONNECTORS:
+                connector = getattr(sys.modules.get(module_name), "_CheckpointConnector", None)
+                original = connector.__dict__.get("_parse_ckpt_path") if connector is not None else None
+                if original is not None and not getattr(original, _MARK, False):
+                    setattr(connector, "_parse_ckpt_path", _resolving_last(original))
+                    self._wrapped.append((connector, original))  # type: ignore[arg-type]
+        weakref.finalize(owner, self._release)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+            if self._holders == 0:
+                for connector, original in reversed(self._wrapped):
+                    setattr(connector, "_parse_ckpt_path", original)
+                self._wrapped.clear()
+
+
+def _resolving_last(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.trainer
+        ours = [cb for cb in trainer.checkpoint_callbacks if callable(getattr(cb, "resolve_last", None))]
+        competing = any(type(cb).__name__ == "OnExceptionCheckpoint" for cb in trainer.callbacks)
+        if ckpt_path == "last" and len(ours) == 1 == len(trainer.checkpoint_callbacks) and not competing:
+            found = ours[0].resolve_last(trainer)
+            if found is None:  # Lightning's own warning, from its own module
+                sys.modules[type(self).__module__].rank_zero_warn(
+                    f'.{state_fn.value}(ckpt_path="last") is set, but there is no last checkpoint available. No '
+                    "checkpoint will be loaded. HINT: Set `ModelCheckpoint(..., save_last=True)`.")
+            return found
+        return original(self, state_fn, ckpt_path, *args, **kwargs)
+
+    setattr(_parse_ckpt_path, _MARK, True)
+    _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
+    return _parse_ckpt_path
+
+
+LAST_RESOLUTION = LastResolution()
+
+
 @contextlib.contextmanager
 def serving(path: str | os.PathLike[str], checkpoint: Any) -> Iterator[None]:
     """Within: Lightning's loader returns ``checkpoint`` for ``path`` instead of reading the file, so
@@ -276,3 +380,101 @@ def _is_ort_stream(stream: Any) -> bool:
     head = stream.read(8)
     stream.seek(start)
     return isinstance(head, bytes) and head[4:8] == FILE_IDENTIFIER
+
+
+# -- the plugin alone: learning the strategy that holds it ------------------------------------------------------
+STRATEGY_CLASSES = (
+    ("pytorch_lightning.strategies.strategy", "Strategy"),
+    ("lightning.pytorch.strategies.strategy", "Strategy"),
+    ("lightning_fabric.strategies.strategy", "Strategy"),
+    ("lightning.fabric.strategies.strategy", "Strategy"),
+)
+"""The base ``Strategy`` classes (Trainer's and Fabric's, per copy of Lightning) whose ``checkpoint_io`` setter
+:data:`CHECKPOINT_IO_ASSIGNMENT` wraps."""
+
+ASSIGNED_HOOK = "_ort_ckpt_assigned_to"
+"""The method a ``CheckpointIO`` of ours has, called with the strategy Lightning gives it to."""
+
+
+class CheckpointIOAssignment:
+    """The wrap of the ``checkpoint_io`` setter of Lightning's base ``Strategy`` classes, on while anyone holds it
+    (every ``OrtCheckpointIO`` does, while it exists): Lightning hands a plugin to its strategy with that setter
+    (``_AcceleratorConnector``, for ``Trainer(plugins=[...])`` and ``Fabric(plugins=[...])``, and ``OrtCheckpoint``
+    in ``setup``), and a ``CheckpointIO`` gets no other word of which strategy it serves. When the one set has
+    :data:`ASSIGNED_HOOK` (bare, or inside Lightning's ``AsyncCheckpointIO``), it is called with the strategy; every
+    other assignment is Lightning's own, unchanged. The last release puts Lightning's properties back. Strategies
+    that override the property (Fabric's FSDP and ModelParallel, which refuse a ``CheckpointIO``) are left alone."""
+
+    def __init__(self) -> None:
+        self._holders = 0
+        self._lock = threading.Lock()
+        self._wrapped: list[tuple[type, property]] = []
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._holders += 1
+            for module_name, name in STRATEGY_CLASSES:
+                module = sys.modules.get(module_name)
+                cls = getattr(module, name, None) if module is not None else None
+                prop = cls.__dict__.get("checkpoint_io") if cls is not None else None
+                if isinstance(prop, property) and prop.fset is not None and not getattr(prop.fset, _MARK, False):
+                    setattr(cls, "checkpoint_io", property(prop.fget, _announcing(prop.fset), prop.fdel, prop.__doc__))
+                    self._wrapped.append((cls, prop))  # type: ignore[arg-type]
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders = max(0, self._holders - 1)
+            if self._holders == 0:
+                for cls, prop in reversed(self._wrapped):
+                    setattr(cls, "checkpoint_io", prop)
+                self._wrapped.clear()
+
+    def hold_while(self, owner: object) -> None:
+        """Hold the wrap on for as long as ``owner`` exists."""
+        self.acquire()
+        weakref.finalize(owner, self.release)
+
+
+def _announcing(fset: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    def checkpoint_io(strategy: Any, io: Any) -> None:
+        fset(strategy, io)
+        ours = io if hasattr(io, ASSIGNED_HOOK) else getattr(io, "checkpoint_io", None)  # AsyncCheckpointIO's
+        if hasattr(ours, ASSIGNED_HOOK):
+            getattr(ours, ASSIGNED_HOOK)(strategy)
+
+    setattr(checkpoint_io, _MARK, True)
+    return checkpoint_io
+
+
+CHECKPOINT_IO_ASSIGNMENT = CheckpointIOAssignment()
+
+
+def calling_strategy(io: Any, depth: int = 4) -> Any:
+    """The Trainer's strategy whose ``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint`` called ``io``
+    (bare or wrapped), found as the ``self`` of one of the ``depth`` calling frames above ``io``'s method; None for a call
+    from anywhere else. For a plugin that never saw its strategy's ``checkpoint_io`` setter (the Trainer was
+    unpickled in a spawned process)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        raw = getattr(candidate, "__dict__", {}).get("_checkpoint_io")
+        is_strategy = hasattr(type(candidate), "lightning_module")  # not the AsyncCheckpointIO wrapping ``io``
+        if is_strategy and raw is not None and (raw is io or getattr(raw, "checkpoint_io", None) is io):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def wrap_fabric_save(strategy: Any, save: Callable[..., Any]) -> None:
+    """Make ``strategy.save_checkpoint`` (this instance of a Fabric strategy, for as long as it exists) call
+    ``save(original, *args)``: what ``fabric.save`` asks is seen before Fabric turns its modules and optimizers into
+    state dicts. Wrapped again, it wraps Lightning's own method, never ours."""
+    original = type(strategy).save_checkpoint.__get__(strategy)
+
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        return save(original, *args, **kwargs)
+
+    setattr(save_checkpoint, _MARK, True)
+    strategy.__dict__["save_checkpoint"] = save_checkpoint

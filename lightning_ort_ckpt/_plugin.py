@@ -9,12 +9,15 @@ Lightning's ``TorchCheckpointIO``, so a run can switch formats midway. ``OrtChec
 
 A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
 optimizer state keyed by parameter name. The plugin asks the Lightning strategy it is bound to for the module and
-its optimizers (:meth:`OrtCheckpointIOMixin.bind`): ``OrtCheckpoint`` binds it in its ``setup``; used without it,
-add ``BindCheckpointIO()`` to the Trainer's callbacks (``_binding``). Where there is none (the plugin called
-directly, outside a ``Trainer``), it saves every ``state_dict`` entry as frozen and optimizer state under index
-names ``param<i>``, with a warning: the file still resumes exactly in Lightning, but ORT cannot train from it. The
-random states a file carries are restored when training starts (:meth:`OrtCheckpointIOMixin.restore_random_states`,
-called by the bound callback), after Lightning built the data loaders, as in the uninterrupted run.
+its optimizers (:meth:`OrtCheckpointIOMixin.bind`). It binds itself when Lightning hands it to a strategy
+(``Trainer(plugins=[OrtCheckpointIO()])``: ``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``), or, in a process that
+received its Trainer pickled (``ddp_spawn``), at the first save or load its strategy asks of it; ``OrtCheckpoint``
+and ``BindCheckpointIO`` bind it in their ``setup`` too. Called directly, outside a Trainer, it saves every
+``state_dict`` entry as frozen and optimizer state under index names ``param<i>``, with a warning: ORT cannot train
+from such a file. The random states a file carries are restored when training starts
+(:meth:`OrtCheckpointIOMixin.restore_random_states`, called by ``OrtCheckpoint``, ``BindCheckpointIO``, or the
+callback the plugin adds to a Trainer that has neither: ``_train_start``), after Lightning built the data loaders,
+as in the uninterrupted run.
 
 Frozen tensors that did not change since the previous save to the same directory are not written again where the
 store can link files: the new file's ``.data`` is a hard link to one of two independent copies written before
@@ -31,21 +34,21 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import _lightning_adapter, _rng, _sharing, _staging, _strategies
-from ._async_saver import BackgroundQueue
+from . import _fabric, _lightning_adapter, _rng, _sharing, _staging, _strategies, _train_start
+from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import (CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning,
                      CorruptCheckpointError)
 from .format import CheckpointContents, save_checkpoint
-from .format._atomic import wait_for_cleanup
-from .format._store import StorageOptions, Store, local_path, store_for
+from .format._store import StorageOptions, Store, local_path, store_for, wait_for_cleanup
 from .format._writer import ExternalData
 
 _EXTERNAL_DATA = ("auto", "never", "params", "all")
@@ -86,29 +89,41 @@ class OrtCheckpointIOMixin:
                                         f"{type(storage_options).__name__}")
         self.external_data = external_data
         self.ort_compatible = ort_compatible
-        self.async_save = async_save
         self.share_frozen = share_frozen
         self.storage_options = storage_options
-        self._start()
+        self._start(async_save)
 
-    def _start(self) -> None:
+    def _start(self, async_save: bool) -> None:
         """The per-process state: none of it travels to a spawned process (the launcher pickles the Trainer)."""
         self._sharing = _sharing.FrozenSharing(trust_parameters=self.share_frozen == "trusted")
-        self._queue: BackgroundQueue | None = None
-        self._stager = _staging.Stager()  # staging memory of asynchronous saves, reused from save to save
+        self._executors: dict[bool, SaveExecutor] = {False: InlineSaves(), True: BackgroundSaves()}
+        self._executor = self._executors[bool(async_save)]  # where every save and its file work run
         self._owner: weakref.ref[Any] | None = None
+        self._fabric: _fabric.FabricSaves | None = None  # the saves of the Fabric strategy this plugin serves
         self._unwrap: Any = None  # puts a sharded strategy's own save and load back (``_strategies.attach``)
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._resume_rng: tuple[Any, Any, str] | None = None  # (random states, epoch, path) to restore at train start
         hold_ort_loading(self)
+        _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only: no thread, buffers or owner."""
         return {k: getattr(self, k) for k in _SETTINGS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        async_save = state.pop("async_save")
         self.__dict__.update(state)
-        self._start()
+        self._start(async_save)
+
+    @property
+    def async_save(self) -> bool:
+        return self._executor is self._executors[True]
+
+    @async_save.setter
+    def async_save(self, value: bool) -> None:
+        """Switch executors between saves (a benchmark compares both): the work of the previous one ends first."""
+        self.wait()
+        self._executor = self._executors[bool(value)]
 
     def _options(self, extra: Any | None = None) -> StorageOptions:
         return {**(self.storage_options or {}), **(extra or {})}
@@ -120,36 +135,40 @@ class OrtCheckpointIOMixin:
         options = self._options(storage_options)
         path = local_path(path)
         strategy = self._owner_strategy(checkpoint.get("state_dict"))
+        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
         info = None
-        if strategy is not None and strategy.lightning_module is not None:
+        if fabric is not None:  # no random states: Fabric leaves them to the script
+            checkpoint, info = fabric
+        elif strategy is not None and strategy.lightning_module is not None:
             info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
+            checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
         else:
-            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer, so it cannot tell trainable "
-                          "parameters from buffers; all are saved as frozen and optimizer state by index. Lightning "
-                          "resumes it exactly; ORT can load it but not train from it. Add BindCheckpointIO() to the "
-                          "Trainer's callbacks.", CheckpointWarning, stacklevel=2)
-        ck = to_ort({**checkpoint, RNG_KEY: _rng.capture()}, info, ort_compatible=self.ort_compatible)
+            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
+                          "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "
+                          "all are saved as frozen, and optimizer state by index. ORT can load the file but not train "
+                          "from it; save through trainer.save_checkpoint (or fabric.save) for one it trains from.",
+                          CheckpointWarning, stacklevel=2)
+            checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
+        ck = to_ort(checkpoint, info, ort_compatible=self.ort_compatible)
         # a sharded module's state was gathered into a copy: nothing to share with or defer to the live module
-        module = strategy.lightning_module if info is not None and not _strategies.gathers(strategy) else None
+        module = (strategy.lightning_module if info is not None and fabric is None and not _strategies.gathers(strategy)
+                  else None)
         shares = (self.share_frozen and self.external_data == "auto" and module is not None
                   and store_for(path, options).links)
         snap = self._sharing.snapshot(ck, path, module) if shares else None
-        if self.async_save:
-            keep = snap.keep if snap is not None else set()
-            staged, copy_later = self._stager.stage(
-                ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
-                module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, keep)
-            self._run_later(copy_later)
-            self._run_later(self._write, staged, path, snap, options, keep)
-        else:
-            self._write(ck, path, snap, options)
+        ck, keep = self._executor.own(
+            ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
+            module.state_dict(keep_vars=True).values() if module is not None else [], self.wait,
+            snap.keep if snap is not None else frozenset())
+        self._executor.run(self._write, ck, path, snap, options, keep)
 
     def _write(self, ck: CheckpointContents, path: str, snap: _sharing.Snapshot | None, options: StorageOptions,
-               keep: set[str] | frozenset[str] = frozenset()) -> None:
+               keep: Collection[str]) -> None:
+        store = store_for(path, options)
         if snap is not None:
-            self._sharing.save(ck, path, snap, self.external_data, keep)
+            self._sharing.save(ck, path, snap, self.external_data, keep, store)
         else:
-            save_checkpoint(ck, path, external_data=self.external_data, storage_options=options)
+            save_checkpoint(ck, path, store=store, external_data=self.external_data)
 
     # -- loading ------------------------------------------------------------------------------------------------
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
@@ -164,7 +183,7 @@ class OrtCheckpointIOMixin:
         if found is None:
             found = read_contents(path, self.storage_options)
         checkpoint = to_lightning(found, path, strategy) if isinstance(found, CheckpointContents) else found
-        return map_location_of(self.loaded(checkpoint, path), map_location)
+        return _fabric.fabric_state(map_location_of(self.loaded(checkpoint, path), map_location))
 
     def loaded(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
         """``checkpoint`` (read from ``path``) is what the bound fit resumes from: its random states are restored
@@ -173,6 +192,8 @@ class OrtCheckpointIOMixin:
         states = checkpoint.get(RNG_KEY)  # left in the dict: a caller may read them
         fitting = strategy is not None and _lightning_adapter.fitting(strategy)
         self._resume_rng = (states, checkpoint.get("epoch"), path) if states is not None and fitting else None
+        if self._resume_rng is not None:
+            _train_start.restore_at_train_start(_lightning_adapter.trainer_of(strategy.lightning_module), self)
         return checkpoint
 
     def hold(self, path: str, found: Any) -> None:
@@ -208,11 +229,7 @@ class OrtCheckpointIOMixin:
         which stays, and training goes on."""
         self._raise_background_error()
         path = local_path(path)
-        store = store_for(path, self.storage_options)
-        if self.async_save:
-            self._run_later(self._retire, store, path)
-        else:
-            self._retire(store, path)
+        self._executor.run(self._retire, store_for(path, self.storage_options), path)
 
     def _retire(self, store: Store, path: str) -> None:
         """Remove through the store, keeping a reserve of its shared ``.data`` first where that is the last name
@@ -226,43 +243,34 @@ class OrtCheckpointIOMixin:
         store without links (``s3://``...), a copy of it."""
         self._raise_background_error()
         target, linkpath = local_path(target), local_path(linkpath)
-        store = store_for(linkpath, self.storage_options)
-        if self.async_save:
-            self._run_later(store.link_or_copy, target, linkpath)
-        else:
-            store.link_or_copy(target, linkpath)
+        self._executor.run(store_for(linkpath, self.storage_options).link_or_copy, target, linkpath)
+
+    def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` where this plugin's saves run (inline, or on the background queue with
+        ``async_save=True``), in order with the saves, deletions and links asked for before and after it."""
+        self._executor.run(fn, *args)
 
     # -- life cycle ---------------------------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until background work is done; raise the first error it met."""
-        if self._queue is not None:
-            self._queue.join()
+        self._executor.join()
         self._raise_background_error()
 
     def teardown(self) -> None:
         """Lightning calls this at the end of fit (and of validate, test, predict): every file is durable, every
         replaced file deleted, the background thread stopped, the staging memory freed and the optimizer hook
         removed when it returns; an error of a background save is raised here."""
-        queue_, self._queue = self._queue, None
-        if queue_ is not None:
-            queue_.close()
+        errors = [executor.close() for executor in self._executors.values()]
         self._sharing.close()
-        self._stager.close()
         self._held = None
         unwrap, self._unwrap = self._unwrap, None
         if unwrap is not None:
             unwrap()
         wait_for_cleanup()
-        if queue_ is not None:
-            self._raise(queue_.take_error())
-
-    def _run_later(self, fn: Any, *args: Any) -> None:
-        if self._queue is None:
-            self._queue = BackgroundQueue()
-        self._queue.submit(fn, *args)
+        self._raise(next((e for e in errors if e is not None), None))
 
     def _raise_background_error(self) -> None:
-        self._raise(self._queue.take_error() if self._queue is not None else None)
+        self._raise(self._executor.take_error())
 
     @staticmethod
     def _raise(error: BaseException | None) -> None:
@@ -276,7 +284,10 @@ class OrtCheckpointIOMixin:
         being saved, while its module holds those tensors); else None."""
         owner = self._owner() if self._owner is not None else None
         if owner is None:
-            return None
+            owner = _lightning_adapter.calling_strategy(self)
+            if owner is None:
+                return None
+            self._ort_ckpt_assigned_to(owner)  # a Trainer that came pickled (spawn): bound at its first call
         io = _lightning_adapter.raw_checkpoint_io(owner)
         if io is not self and getattr(io, "checkpoint_io", None) is not self:  # used bare, or wrapped (async)
             return None
@@ -291,13 +302,24 @@ class OrtCheckpointIOMixin:
         if self._unwrap is not None:
             self._unwrap()
         self._unwrap = _strategies.attach(strategy, self)
-        self._stager.prepare(self._staged_sources)
+        self._executor.prepare(self._staged_sources)
+
+    def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
+        """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
+        for as long as the strategy holds it, fit after fit (a sharded strategy keeps saving and loading through this
+        plugin after ``teardown``), as if ``BindCheckpointIO`` were there. DeepSpeed is refused here, when the
+        Trainer is made. A Fabric strategy: its saves are watched for the modules and optimizers (``_fabric``)."""
+        if _fabric.is_fabric_strategy(strategy):
+            self._fabric = _fabric.FabricSaves(strategy)
+            return
+        self.bind(strategy)
+        self._unwrap = None
 
     def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
         """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate
-        its memory ahead of the first save; None while saves are synchronous, and under the strategies whose state
-        is sharded or gathered (``_strategies``: reading it is a collective, which a thread must not start)."""
-        strategy = self._owner_strategy() if self.async_save else None
+        its memory ahead of the first save; None under the strategies whose state is sharded or gathered
+        (``_strategies``: reading it is a collective, which a thread must not start)."""
+        strategy = self._owner_strategy()
         if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
             return None
         return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)

@@ -55,8 +55,8 @@ import torch
 
 from .errors import CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, data_path, save_checkpoint
-from .format import _atomic as atomic
 from .format._checksums import param_key
+from .format._store import Store, store_for
 from .format._shared_data import (Identity, NotShared, SavedData, SharedFrozen, identity, is_reserve, keep_reserve,
                                   reserves, sharing_checkpoints, verify_data, write_copy)
 from .format._writer import ExternalData
@@ -214,24 +214,25 @@ class FrozenSharing:
         return snap
 
     def save(self, ck: CheckpointContents, path: str, snap: Snapshot, external_data: ExternalData,
-             kept: Collection[str] = ()) -> None:
-        """Write ``ck`` to ``path`` sharing what a copy of the directory holds unchanged, and remember what this save
+             kept: Collection[str] = (), store: Store | None = None) -> None:
+        """Write ``ck`` to ``path`` through ``store`` (one that ``links``; by default the path's own) sharing what a copy of the directory holds unchanged, and remember what this save
         holds. ``kept``: frozen parameters of ``ck`` that are the live ones, not staged copies (an asynchronous
         save); those this save writes after all are copied first, and must not have changed since the call."""
         # a failed save leaves none: the next ones start fresh (adopting the reserves it left)
         copies = self._copies.pop(snap.directory, None) or _orphans(snap.directory)
         count = self._saves[snap.directory] = self._saves.get(snap.directory, 0) + 1
+        store = store if store is not None else store_for(path)
         try:
-            self._save(ck, path, snap, external_data, kept, copies, count)
+            self._save(ck, path, store, snap, external_data, kept, copies, count)
         except BaseException:
             for c in copies:  # forgotten: a copy written for this run that no save linked goes with them
                 _drop_temp(c)
             raise
         finally:
             snap.tensors.clear()
-        self._plan(snap.directory, count)
+        self._plan(snap.directory, count, store)
 
-    def _save(self, ck: CheckpointContents, path: str, snap: Snapshot, external_data: ExternalData,
+    def _save(self, ck: CheckpointContents, path: str, store: Store, snap: Snapshot, external_data: ExternalData,
               kept: Collection[str], copies: list[_Copy], count: int) -> None:
         chosen, spec = self._spec(ck, snap, copies, count, path)
         copied: set[str] = set()
@@ -241,7 +242,8 @@ class FrozenSharing:
                 ck.frozen[name] = _copy_unchanged(ck.frozen[name], snap, name, path)
                 copied.add(name)
             try:
-                saved = save_checkpoint(ck, path, external_data=external_data, shared=spec if not linked or spec is None else
+                saved = save_checkpoint(ck, path, store=store, external_data=external_data,
+                                        shared=spec if not linked or spec is None else
                                         replace(spec, changed_since_asked=lambda n: not snap.still_live(n)))
                 break
             except NotShared as e:  # no link here, or tensors that changed unseen
@@ -322,7 +324,7 @@ class FrozenSharing:
             _drop_reserves(c)
         return copies[-_REMEMBERED:]
 
-    def _plan(self, directory: str, count: int) -> None:
+    def _plan(self, directory: str, count: int, store: Store) -> None:
         """After a save to ``directory``: start in the background what later saves will need, so that they do not
         wait for it: the read-back of a copy once 3/4 of :data:`VERIFY_EVERY` saves passed since its last (its result
         is taken by the save that links it next, waited for only where it is due and not done), and an independent
@@ -339,7 +341,7 @@ class FrozenSharing:
         if first or any(c.links >= LINKS_PER_COPY - 2 for c in copies):
             source = copies[-1]  # the newest: the tensors as they are now
             name = _newest(source)
-            tmp = atomic.temp_name(os.path.join(directory, "frozen-copy.data"))
+            tmp = store.temp_name(store.join(directory, "frozen-copy.data"))
             job = self._background(write_copy, name, source.names[name][0], tmp, source.offsets, source.layout,
                                    source.digests)
             self._spares[directory] = _Spare(count, count + 1 + (ONE_COPY_SAVES if first else 0), source, tmp, job)

@@ -11,7 +11,8 @@ wrap itself is ``_lightning_adapter``'s):
   ``_dcp_storage.save_sharded``: the module state and optimizer states as Lightning built them (FSDP2's DTensors;
   FSDP1's ShardedTensors as DTensors viewing the same shards, :func:`as_dtensors`), loops, callbacks,
   hyper-parameters and the rest as values, and each rank's random states under its rank. The checkpoint is a
-  directory. Loading asks torch.distributed.checkpoint's ``get_*_state_dict`` helpers for this run's shards and
+  directory. With ``async_save=True`` the step waits only for the copy of the rank's shards into staging memory
+  allocated ahead (``_dcp_staging``); the write runs on the plugin's background queue. Loading asks torch.distributed.checkpoint's ``get_*_state_dict`` helpers for this run's shards and
   fills them through ``load_sharded``: at the same world size exactly the saved state, at another one the same
   tensors resharded (random states are restored on the ranks that saved them);
 - **full state** (``save_distributed_checkpoint=False``, ``state_dict_type="full"``): Lightning gathers the state on
@@ -25,7 +26,7 @@ refused when the plugin is bound (:class:`CheckpointConfigError`): its ZeRO chec
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
@@ -35,9 +36,12 @@ from ._rng import RNG_KEY
 from ._translation.lightning_dict import clean_name
 from .errors import CheckpointConfigError
 
+if TYPE_CHECKING:
+    from ._dcp_staging import ShardStager
+
 Plugin = Any
-"""An ``OrtCheckpointIO`` (layer 3: not imported here): ``storage_options``, ``_options``, ``wait``,
-``load_checkpoint`` and ``loaded`` are what this module uses of it."""
+"""An ``OrtCheckpointIO`` (layer 3: not imported here): ``storage_options``, ``async_save``, ``_options``, ``wait``,
+``run_in_order``, ``load_checkpoint`` and ``loaded`` are what this module uses of it."""
 
 SUPPORTED = ("DDPStrategy (and every strategy that saves through the CheckpointIO), ModelParallelStrategy, "
              "FSDPStrategy(state_dict_type='sharded' or 'full')")
@@ -68,10 +72,16 @@ def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
     how = kind(strategy)
     if how is None:
         return None
+    from ._dcp_staging import ShardStager
+
+    stager = ShardStager()  # the staging memory of asynchronous sharded saves
+    if plugin.async_save:
+        stager.prepare(lambda: _local_shards(strategy) if kind(strategy) == "sharded" else None)
 
     def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if kind(strategy) == "sharded":
-            save_sharded_checkpoint(strategy, plugin, checkpoint, filepath, storage_options)
+            save_sharded_checkpoint(strategy, plugin, checkpoint, filepath, storage_options,
+                                    stager if plugin.async_save else None)
         else:  # Lightning's own: rank 0 writes the gathered state through the plugin, with every rank's random states
             original({**checkpoint, RANKS_RNG_KEY: gather_random_states(strategy)}, filepath,
                      storage_options=storage_options)
@@ -91,7 +101,20 @@ def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
         original()
         plugin.teardown()  # ModelParallelStrategy's does not call it; a second call does nothing; it unwraps
 
-    return _lightning_adapter.wrap_strategy_checkpointing(strategy, save, load, teardown)
+    unwrap = _lightning_adapter.wrap_strategy_checkpointing(strategy, save, load, teardown)
+
+    def undo() -> None:  # the plugin's teardown: every write is done by then
+        unwrap()
+        stager.close()
+
+    return undo
+
+
+def _local_shards(strategy: Any) -> tuple[list[torch.Tensor], list[Any]] | None:
+    """What an asynchronous sharded save will stage, without a collective: the module's parameters (DTensors: each
+    rank's shard) and the optimizers (``_dcp_staging.ShardStager.prepare``)."""
+    module = strategy.lightning_module
+    return None if module is None else (list(module.parameters()), list(strategy.optimizers))
 
 
 def gathers(strategy: Any) -> bool:
@@ -115,15 +138,30 @@ def names_match(strategy: Any, state_dict: dict[str, Any]) -> bool:
 
 # -- sharded ----------------------------------------------------------------------------------------------------
 def save_sharded_checkpoint(strategy: Any, plugin: Plugin, checkpoint: dict[str, Any], filepath: Any,
-                            storage_options: Any = None) -> None:
-    """Every rank: its shards of the module and optimizer states, the values (rank 0's), its random states."""
-    from ._dcp_storage import save_sharded
+                            storage_options: Any = None, stager: ShardStager | None = None) -> None:
+    """Every rank: its shards of the module and optimizer states, the values (rank 0's), its random states. With a
+    ``stager`` (``async_save=True``) the values are encoded and the shards copied now, and the write runs on the
+    plugin's background queue, in order with the deletions and links asked for after it; the first error of a
+    background write is raised on every rank by the plugin's next call (every rank's write fails with it: the save
+    is collective), or at the end of fit."""
+    from ._dcp_storage import flatten, save_flat
 
     plugin.wait()
     path = str(strategy.broadcast(str(filepath)))
     state = {**checkpoint, WORLD_SIZE_KEY: strategy.world_size,
              RNG_KEY: {_rank_key(strategy.global_rank): pack_random_states(_rng.capture())}}
-    save_sharded(as_dtensors(state), path, storage_options=plugin._options(storage_options))
+    tree, flat = flatten(as_dtensors(state), path)
+    options = plugin._options(storage_options)
+    if stager is None:
+        save_flat(tree, flat, path, storage_options=options)
+    else:
+        plugin.run_in_order(_write_later, tree, stager.stage(flat), path, options, stager.group())
+
+
+def _write_later(tree: Any, flat: dict[str, Any], path: str, options: Any, group: Any) -> None:
+    from ._dcp_storage import save_flat
+
+    save_flat(tree, flat, path, storage_options=options, process_group=group)
 
 
 def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, Any]:

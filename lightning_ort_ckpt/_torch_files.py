@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .format._diskio import open_regular
+from .format._store import store_for
 from ._translation.counters import check_counters
 
 
@@ -24,21 +24,22 @@ def load_torch_file(load: Callable[..., Any], path: Any, map_location: Any, weig
     unless the caller asked for it: ``weights_only`` is True unless it is explicitly False (the one opt-in, for
     trusted files: ``Trainer.fit(..., weights_only=False)``). Whatever torch raises about the content comes back as
     our :class:`CorruptCheckpointError` naming the file; the system's errors (a missing file, a directory) stay as
-    they are, naming it too. A local file has been opened by then, so an invalid seek inside it (``EINVAL``: a zip
-    archive cut short points before its own start) is about its content, not the system."""
+    they are, naming it too. A file named by a path has been opened by then, so an invalid seek inside it
+    (``EINVAL``: a zip archive cut short points before its own start) is about its content, not the system. A FIFO,
+    socket or device is refused by its store first: torch's open would wait on it forever."""
     weights_only = True if weights_only is None else weights_only
-    local = isinstance(path, (str, os.PathLike)) and "://" not in os.fspath(path)
-    if local and os.path.lexists(path) and not os.path.isdir(path):  # a FIFO would block torch's open
-        os.close(open_regular(os.fspath(path)))
+    named = isinstance(path, (str, os.PathLike))  # else a file object: torch reads it as it is
+    if named:
+        store_for(path).check_file(os.fspath(path))
     try:
         checkpoint = load(path, map_location=map_location, weights_only=weights_only)
     except (CheckpointError, OSError) as e:  # ours already (an ORT-aware loader inside), or the system's
-        if not (local and isinstance(e, OSError) and e.errno == errno.EINVAL):
+        if not (named and isinstance(e, OSError) and e.errno == errno.EINVAL):
             raise
         raise _not_loadable(path, e, weights_only) from e
     except Exception as e:  # noqa: BLE001 - torch raises EOFError, UnpicklingError, RuntimeError, IndexError...
         raise _not_loadable(path, e, weights_only) from e
-    return check_counters(checkpoint, os.fspath(path)) if local else checkpoint
+    return check_counters(checkpoint, os.fspath(path)) if named else checkpoint
 
 
 def _not_loadable(path: Any, e: Exception, weights_only: bool) -> CorruptCheckpointError:

@@ -28,7 +28,7 @@ from .errors import CheckpointError
 from ._reading import read_weights, serving
 from .format import _atomic
 from .format._store import is_remote
-from ._translation.lightning_dict import with_aliases
+from ._translation.lightning_dict import aliases_of, with_aliases
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
 
@@ -261,12 +261,7 @@ def _check_is_reference(module: torch.nn.Module, reference: torch.nn.Module, arg
     difference = _shape_difference(weights, reference.state_dict())
     diff = 0.0
     if not difference:
-        device = next(iter(reference.state_dict().values()), torch.empty(0)).device
-        with _eval_mode(reference), torch.no_grad():
-            got = torch.func.functional_call(
-                reference, {k: v.to(device) for k, v in weights.items()},
-                tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
-        got = tuple(got) if isinstance(got, (tuple, list)) else (got,)
+        got = _call_with(reference, weights, args, checkpoint)
         diff = max((float((g.detach().cpu().double() - e.detach().cpu().double()).abs().max()) if e.numel() else 0.0
                     for g, e in zip(got, expected)), default=0.0) if len(got) == len(expected) else float("inf")
     if difference or not diff <= tolerance:
@@ -277,6 +272,23 @@ def _check_is_reference(module: torch.nn.Module, reference: torch.nn.Module, arg
         why = (f": its __init__ arguments {', '.join(unsaved)} are not in the saved hyperparameters; call "
                f"self.save_hyperparameters() in __init__" if unsaved else "")
         raise ExportError(f"{cls.__name__} rebuilt from the checkpoint's hyperparameters {how}{why}", checkpoint)
+
+
+def _call_with(reference: torch.nn.Module, weights: dict[str, Any], args: tuple[Any, ...],
+               checkpoint: str) -> tuple[Any, ...]:
+    """``reference``'s outputs on ``args`` given ``weights``, the module itself neither copied nor changed. A tied
+    tensor is given once, under its first name (``functional_call`` ties the others to it and refuses both)."""
+    tied = aliases_of(reference)
+    device = next(iter(reference.state_dict().values()), torch.empty(0)).device
+    try:
+        with _eval_mode(reference), torch.no_grad():
+            got = torch.func.functional_call(
+                reference, {k: v.to(device) for k, v in weights.items() if k not in tied},
+                tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    except Exception as e:  # noqa: BLE001 - the user's forward, or torch's stateless call, may raise anything
+        raise ExportError(f"cannot run the trained module with the checkpoint's weights to compare it with the "
+                          f"rebuilt one: {type(e).__name__}: {e}", checkpoint) from e
+    return tuple(got) if isinstance(got, (tuple, list)) else (got,)
 
 
 def load_module_class(spec: str) -> type:

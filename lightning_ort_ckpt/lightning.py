@@ -8,6 +8,7 @@ plugins of its own copy of Lightning only; ``OrtCheckpoint`` of the other copy r
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from . import _export_callback  # noqa: F401 - hands export_best_to its factory (layer 4: see the module)
 from ._binding import BindCheckpointIOMixin
 from ._callback import OrtCheckpointMixin
 from ._plugin import OrtCheckpointIOMixin

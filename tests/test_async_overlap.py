@@ -105,7 +105,7 @@ class GateWriter(pl.Callback):
             self.stepped.set()
         if trainer.global_step != SAVE_STEP or self.expected:
             return
-        trainer.strategy.checkpoint_io._run_later(self.gate.wait)
+        trainer.strategy.checkpoint_io._executor.run(self.gate.wait)
         self.expected = snapshot(module, trainer.optimizers[0])
         self._releaser = threading.Thread(target=self._release, args=(threading.current_thread(), module),
                                           daemon=True)
@@ -224,13 +224,13 @@ class Counts(pl.Callback):
         self.staged: dict[str, int] = {}  # the first save's buffers by name: their memory
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        stager = trainer.strategy.checkpoint_io._stager
+        stager = trainer.strategy.checkpoint_io._executors[True]._stager  # the asynchronous saves' stager
         if trainer.global_step == SAVE_STEP - 1:  # before the first save (after the first optimizer step)
             stager._join_preparing()
             self.spares = [t for ts in stager._spares.values() for t in ts]
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        stager = trainer.strategy.checkpoint_io._stager
+        stager = trainer.strategy.checkpoint_io._executors[True]._stager  # the asynchronous saves' stager
         self.staged = {name: t.data_ptr() for name, (_, t) in stager._buffers.items()}
 
 
@@ -251,8 +251,9 @@ def test_staging_memory_is_allocated_ahead_and_freed_at_teardown(tmp_path: Path)
     state = [n for n in counts.staged if n in dict(module.named_parameters()) or "/momentum" in n]
     assert len(state) == 12  # 4 parameters, 2 AdamW moments each: the save copied them into the memory made ahead
     assert {counts.staged[n] for n in state} <= {t.data_ptr() for t in counts.spares}
-    assert io._stager._buffers == {} and io._stager._spares == {} and io._stager._prepare_hook is None
-    assert not io._stager._hooked
+    stager = io._executor._stager
+    assert stager._buffers == {} and stager._spares == {} and stager._prepare_hook is None
+    assert not stager._hooked
     assert stored(tmp_path / f"step={SAVE_STEP}.ckpt").keys() >= {n for n, _ in module.named_parameters()}
 
 
@@ -263,7 +264,7 @@ def test_a_synchronous_plugin_allocates_nothing_ahead(tmp_path: Path) -> None:
                          accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(Net(), data())
-    assert counts.spares == [] and io._stager._prepare_hook is None
+    assert counts.spares == [] and io._executors[True]._stager._prepare_hook is None
 
 
 class _StandInStream:
@@ -356,6 +357,6 @@ def test_cuda_staging_memory_is_pinned_and_unpinned_at_teardown(tmp_path: Path) 
     trainer.fit(module, data())
     cuda_spares = [t for t in counts.spares if t.numel() > 1]
     assert cuda_spares and all(t.is_pinned() for t in cuda_spares)
-    assert io._stager._pinned == []
+    assert io._executor._stager._pinned == []
     assert not any(t.is_pinned() for t in cuda_spares)  # unregistered at teardown
     assert os.path.exists(tmp_path / f"epoch=0-step={SAVE_STEP}.ckpt")

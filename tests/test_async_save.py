@@ -98,7 +98,7 @@ dirpath, async_save = Path(sys.argv[1]), sys.argv[2] == "1"
 queued = [0]
 def watch():  # how many saves wait in the plugin's queue (not yet being written), sampled while training runs
     while not done.is_set():
-        worker = getattr(t.IO, "_queue", None)
+        worker = getattr(t.IO._executor, "_queue", None)
         if worker is not None:
             jobs = list(worker._queue.queue)
             queued[0] = max(queued[0], sum(1 for job in jobs if isinstance(job, tuple) and getattr(job[0], "__name__", "") == "_write"))
@@ -162,7 +162,7 @@ class StallWriter(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == 1:
-            trainer.strategy.checkpoint_io._run_later(time.sleep, 1.0)
+            trainer.strategy.checkpoint_io._executor.run(time.sleep, 1.0)
 
 
 def test_in_place_change_during_pending_copy_fails_loudly(tmp_path: Path) -> None:

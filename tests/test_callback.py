@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, open_checkpoint
-from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
+from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.format import _atomic as atomic
 from ort_reference import ort_api
 
@@ -517,14 +517,31 @@ def test_resume_last_skips_a_damaged_newest_file(tmp_path: Any) -> None:
     assert_ort_files(tmp_path, files_after_fit(tmp_path) - {name(2, 12)})
 
 
-def test_resume_last_with_every_file_damaged_starts_fresh(tmp_path: Any) -> None:
+def test_resume_last_with_every_file_damaged_raises_one_error_listing_each(tmp_path: Any) -> None:
+    """O1: dirpath holds checkpoints and none can be resumed: one error naming each and why, before training."""
+    fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2)
+    _damage(tmp_path / name(0, 4), -1)  # truncated to half
+    _damage(tmp_path / name(1, 8), 0)  # empty
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as raised:
+        fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2, ckpt_path="last")
+    message = str(raised.value)
+    assert message.startswith(f'{tmp_path}: ckpt_path="last": none of its 2 checkpoint(s) can be resumed from: '), \
+        message
+    for damaged in (name(1, 8), name(0, 4)):
+        assert f"{tmp_path / damaged} (" in message, message
+    assert 'resume_fallback="scratch"' in message
+    assert files_after_fit(tmp_path) == {name(0, 4), name(1, 8)}  # nothing trained, nothing written
+
+
+def test_resume_last_with_every_file_damaged_starts_fresh_when_asked(tmp_path: Any) -> None:
     fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2)
     assert files_after_fit(tmp_path) == {name(0, 4), name(1, 8)}
     _damage(tmp_path / name(0, 4), -1)  # truncated to half
     _damage(tmp_path / name(1, 8), 0)  # empty
     with pytest.warns(CheckpointWarning) as record, \
             pytest.warns(UserWarning, match="there is no last checkpoint available"):
-        trainer = fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2, ckpt_path="last")
+        trainer = fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1, resume_fallback="scratch"), 2,
+                      ckpt_path="last")
     damaged = {str(tmp_path / name(0, 4)), str(tmp_path / name(1, 8))}
     assert {n for n in damaged for w in record if issubclass(w.category, CheckpointWarning) and n in str(w.message)} \
         == damaged
@@ -681,3 +698,19 @@ def test_async_error_surfaces_at_the_end_of_fit(tmp_path: Any, monkeypatch: pyte
     assert trainer.global_step == 8
     assert files_after_fit(tmp_path) == {name(0, 4)}
     assert_ort_files(tmp_path)
+
+
+def test_verbose_logs_what_each_save_is_where_and_why(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """#33 point 5: one line per save, as ModelCheckpoint's (it logs a ranked save itself): what, where, why."""
+    cb = OrtCheckpoint(dirpath=tmp_path, monitor="val_loss", every_n_train_steps=2, save_last=True, verbose=True,
+                       save_top_k=1, keep_newest=1)
+    with caplog.at_level("INFO", logger="pytorch_lightning.utilities.rank_zero"):
+        fit(cb, 2, [1.0, 0.5])
+    lines = [r.getMessage() for r in caplog.records if "global step" in r.getMessage()]
+    unranked = (f"Epoch 1, global step 6: saving an unranked checkpoint to {str(tmp_path / name(1, 6))!r} (training "
+                "batch end; 'val_loss'=1.00000 was computed at step 4, not this one: not ranked, kept as one of the "
+                "newest)")
+    assert unranked in lines, lines
+    assert f"Epoch 1, global step 6: saving the last checkpoint to {str(tmp_path / 'last.ckpt')!r} (training batch " \
+           "end)" in lines, lines
+    assert any(line.startswith("Epoch 1, global step 8: 'val_loss' reached 0.50000") for line in lines), lines

@@ -253,9 +253,9 @@ def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch)
     """Large checkpoints are verified on a second thread: a full load hashes each tensor there as soon as it is
     read, and the lazy ``verify()`` splits the tensors between two threads. A damaged tensor anywhere (the first,
     the second, the last read) is named by both."""
-    from lightning_ort_ckpt.format import _reader as reader_mod
+    from lightning_ort_ckpt.format import _verification as reader_mod
 
-    monkeypatch.setattr(reader_mod, "_PARALLEL_VERIFY_BYTES", 0)
+    monkeypatch.setattr(reader_mod, "PARALLEL_VERIFY_BYTES", 0)
     path = tmp_path / "ck.ckpt"
     save_checkpoint(sample(), path)
     load_checkpoint(path)
@@ -275,9 +275,9 @@ def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch)
 def test_lazy_verify_on_two_threads_maps_the_data_file_once(tmp_path, monkeypatch):
     """``verify()`` hashes on two threads, which both ask for the ``.data`` mapping at once: it must be made once
     (made twice, the second thread used the file the first had closed: EBADF)."""
-    from lightning_ort_ckpt.format import _reader as reader_module
+    from lightning_ort_ckpt.format import _verification as reader_module
 
-    monkeypatch.setattr(reader_module, "_PARALLEL_VERIFY_BYTES", 0)  # two threads whatever the size
+    monkeypatch.setattr(reader_module, "PARALLEL_VERIFY_BYTES", 0)  # two threads whatever the size
     g = torch.Generator().manual_seed(0)
     trainable = {f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}
     path = tmp_path / "external.ckpt"

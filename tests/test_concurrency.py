@@ -30,6 +30,7 @@ from test_crash_safety import snapshot
 from lightning_ort_ckpt import CheckpointError
 from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic
+from lightning_ort_ckpt.format._atomic import _lock, _names, _pairs
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -241,7 +242,7 @@ def test_lock_file_of_a_dead_writer_is_taken_over_and_a_live_one_waited_for(tmp_
     assert not lock.exists() and seeds_in(load_checkpoint(path)) == {1.0}
 
     lock.write_text(f"{atomic._HOST}-{atomic._BOOT}.{os.getppid()}")  # a live writer holds it
-    monkeypatch.setattr(atomic, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(_lock, "LOCK_WAIT_S", 0.3)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(state(2), path, external_data="params")
     assert atomic.LOCK_NAME in str(info.value) and "delete it" in str(info.value), info.value
@@ -263,7 +264,7 @@ def test_reader_of_a_link_mid_commit_reads_one_target_whole(tmp_path: Path, monk
     save_checkpoint(state(2), b, external_data="params")
     atomic.link(str(a), str(last))
     assert last.is_symlink() and seeds_in(load_checkpoint(last)) == {1.0}
-    token = atomic._token()  # what atomic.link(b, last) does, up to its second rename
+    token = _names.token()  # what atomic.link(b, last) does, up to its second rename
     tmp_main, tmp_data = f".last.ckpt.{token}.tmp", f".last.ckpt.data.{token}.tmp"
     os.symlink("b.ckpt", tmp_path / tmp_main)
     os.symlink("b.ckpt.data", tmp_path / tmp_data)
@@ -278,13 +279,13 @@ def test_reader_of_a_link_mid_commit_reads_one_target_whole(tmp_path: Path, monk
 
     # b.ckpt's own writer died after moving the new .data in: through the link, that is reported, after retries
     save_checkpoint(state(3), tmp_path / "b3.ckpt", external_data="params")
-    token = atomic._token()
+    token = _names.token()
     os.replace(tmp_path / "b3.ckpt", tmp_path / f".b.ckpt.{token}.tmp")
     os.replace(tmp_path / "b3.ckpt.data", tmp_path / "b.ckpt.data")
     (tmp_path / "b.ckpt.commit").write_text(json.dumps({"checkpoint": f".b.ckpt.{token}.tmp",
                                                         "data": f".b.ckpt.data.{token}.tmp"}))
     assert seeds_in(load_checkpoint(b)) == {3.0}  # read directly: the new pair
-    monkeypatch.setattr(atomic, "_OPEN_ATTEMPTS", 3)
+    monkeypatch.setattr(_pairs, "_OPEN_ATTEMPTS", 3)
     with pytest.raises(CheckpointError, match="kept changing"):
         load_checkpoint(last)
     assert atomic.repair(b) and seeds_in(load_checkpoint(last)) == {3.0}

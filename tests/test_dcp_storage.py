@@ -6,16 +6,25 @@ The two-process cases (DTensor shards, resharding, memory) are in ``test_dcp_dis
 from __future__ import annotations
 
 import collections
+import contextlib
+import http.client
 import json
 import os
+import resource
+import signal
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import fsspec
 import pytest
 import torch
 
 from lightning_ort_ckpt._dcp_storage import METADATA_NAME, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
+from test_failures_reported import _Forward, _Proxy, proxy  # noqa: F401  (a proxy in front of moto, a fixture)
+from test_remote_storage import s3_endpoint  # noqa: F401  (moto's S3 server on 127.0.0.1, a fixture)
 
 
 def _state(seed: int = 0) -> dict:
@@ -177,3 +186,134 @@ def test_colliding_keys_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointSaveError, match="same key"):
         save_sharded({"s": {0: torch.zeros(1), "0": torch.ones(1)}}, str(tmp_path / "c.ckpt"))
     assert not os.path.exists(tmp_path / "c.ckpt" / METADATA_NAME)
+
+
+# -- a failed save leaves the path as it was (issue 30, F3) ------------------------------------------------------------
+@contextlib.contextmanager
+def _files_at_most(size: int) -> Iterator[None]:
+    """Every write of this process past ``size`` bytes of a file fails (EFBIG), as a full disk fails it: the kernel's
+    file size limit (``RLIMIT_FSIZE``), with its signal ignored so that the write returns the error."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def _visible(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def test_a_save_that_cannot_write_leaves_no_folder_and_the_next_keeps_the_name(tmp_path: Path) -> None:
+    path = tmp_path / "epoch=0-step=3.ckpt"
+    state = {"state_dict": {"w": torch.randn(256, 1024)}, "global_step": 3}  # 1 MiB: past the limit below
+    with _files_at_most(64 << 10), pytest.raises(CheckpointSaveError) as e:
+        save_sharded(state, str(path))
+    assert str(path) in str(e.value)
+    assert _visible(tmp_path) == []  # no empty epoch=0-step=3.ckpt/ for the next save to step around (-v1)
+    save_sharded(state, str(path))
+    assert _visible(tmp_path) == [path.name] and load_sharded({}, str(path))["global_step"] == 3
+
+
+def test_a_failed_save_over_a_checkpoint_keeps_its_folder_and_files(tmp_path: Path) -> None:
+    path = tmp_path / "c.ckpt"
+    save_sharded({"state_dict": {"w": torch.ones(4)}, "global_step": 1}, str(path))
+    before = _visible(path)
+    with _files_at_most(64 << 10), pytest.raises(CheckpointSaveError):
+        save_sharded({"state_dict": {"w": torch.randn(256, 1024)}, "global_step": 2}, str(path))
+    assert _visible(path) == before and load_sharded({}, str(path))["global_step"] == 1
+
+
+# -- a metadata upload whose answer is lost (issue 30, F5) -------------------------------------------------------------
+class _LosingAnswers(_Forward):
+    """Forwards as ``_Forward`` does, except that for the methods in ``server.losing`` on the metadata object it
+    forwards the request to moto (the object is stored, or read) and then closes the connection unanswered: the
+    client's request timed out after the server acted."""
+
+    server: Any
+
+    def _forward(self) -> None:
+        if self.command not in self.server.losing or not self.path.split("?")[0].endswith("/" + METADATA_NAME):
+            super()._forward()
+            return
+        body = self._body()
+        upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            upstream.getresponse().read()
+        finally:
+            upstream.close()
+        self.server.failed.append(f"{self.command} {self.path}")
+        self.close_connection = True
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+
+@pytest.fixture
+def losing(proxy: _Proxy) -> _Proxy:
+    proxy.RequestHandlerClass = _LosingAnswers
+    proxy.losing = set()  # type: ignore[attr-defined]
+    return proxy
+
+
+def _s3_checkpoint(endpoint: str) -> tuple[str, dict[str, Any]]:
+    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": endpoint}}
+    bucket = f"dcp-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    return f"s3://{bucket}/run/epoch=0-step=3.ckpt", options
+
+
+def test_a_lost_answer_to_the_metadata_upload_is_read_back_and_the_save_stands(losing: _Proxy) -> None:
+    path, options = _s3_checkpoint(losing.url)
+    losing.losing = {"PUT"}  # type: ignore[attr-defined]
+    state = _state()
+    save_sharded(state, path, storage_options=options)  # the upload "failed"; reading back shows it landed
+    assert losing.failed and all(r.startswith("PUT ") for r in losing.failed)
+    target = _empty_like(state)
+    assert load_sharded(target, path, storage_options=options)["global_step"] == 400
+    _assert_same(state, target)
+
+
+def test_a_metadata_upload_that_cannot_be_told_keeps_the_shards_it_names(losing: _Proxy) -> None:
+    path, options = _s3_checkpoint(losing.url)
+    losing.losing = {"PUT", "GET"}  # the answer is lost, and so is the read-back's
+    state = _state()
+    with pytest.raises(CheckpointSaveError, match="may have been stored all the same"):
+        save_sharded(state, path, storage_options=options)
+    losing.losing = set()  # type: ignore[attr-defined]
+    # the metadata landed: every shard it names is still there, so the folder is a whole checkpoint
+    target = _empty_like(state)
+    assert load_sharded(target, path, storage_options=options)["global_step"] == 400
+    _assert_same(state, target)
+
+
+# -- staging for asynchronous sharded saves (issue 34) -----------------------------------------------------------------
+def test_shard_staging_is_allocated_ahead_reused_and_a_copy() -> None:
+    from lightning_ort_ckpt._dcp_staging import ShardStager
+
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    stager = ShardStager()
+    stager.prepare(lambda: (list(model.parameters()), [opt]))
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()  # Adam's state exists now: the memory is allocated (and touched) on a thread of its own
+        stager._join()
+        ahead = {t.data_ptr() for spares in stager._spares.values() for t in spares}
+        assert len(ahead) == 2 + 2 * 3  # weight, bias, and each one's step, exp_avg, exp_avg_sq
+        flat = {"w": model.weight, "m": opt.state[model.weight]["exp_avg"], "extra": torch.arange(3)}
+        first = stager.stage(flat)
+        assert {first["w"].data_ptr(), first["m"].data_ptr()} <= ahead  # the first save takes what was allocated
+        assert torch.equal(first["w"], model.weight) and first["w"].data_ptr() != model.weight.data_ptr()
+        with torch.no_grad():
+            model.weight.add_(1.0)  # training goes on: the staged copy keeps the saved values
+        assert not torch.equal(first["w"], model.weight)
+        second = stager.stage(flat)
+        assert all(second[k].data_ptr() == first[k].data_ptr() for k in flat)  # the same memory, save after save
+        assert torch.equal(second["w"], model.weight)
+    finally:
+        stager.close()

@@ -50,7 +50,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-import lightning_ort_ckpt._callback as callback_module
+import lightning_ort_ckpt._resume as resume_module
 import lightning_ort_ckpt._plugin as plugin_module
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.errors import CheckpointConfigError
@@ -65,7 +65,7 @@ def counted(real):
     return read_contents
 
 
-callback_module.read_contents = counted(callback_module.read_contents)
+resume_module.read_contents = counted(resume_module.read_contents)
 plugin_module.read_contents = counted(plugin_module.read_contents)
 
 
@@ -328,7 +328,7 @@ def test_last_takes_a_committed_folder_as_one_checkpoint(tmp_path: Path) -> None
     with pytest.warns(CheckpointWarning, match=r"epoch=0-step=6\.ckpt cannot be resumed from \(a checkpoint folder "
                                                r"whose checkpoint\.ort-meta is damaged\)"):
         assert callback._find_last_checkpoints(trainer) == {folder}
-    assert callback._to_delete == set() and os.path.isdir(damaged)
+    assert callback._ledger.waiting == set() and os.path.isdir(damaged)
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])

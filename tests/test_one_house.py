@@ -136,9 +136,12 @@ def test_lightnings_loader_reads_ort_files_only_while_asked(tmp_path: Path) -> N
     assert out[-2:] == ["enabled True", "disabled True"]
 
 
-def test_the_plugin_without_the_callback_needs_one_line(tmp_path: Path) -> None:
-    """plugins=[OrtCheckpointIO()] with Lightning's ModelCheckpoint: BindCheckpointIO() tells it the module, so ORT
-    sees the trainable parameters as trainable; without it everything is frozen, with a warning."""
+def test_the_plugin_without_the_callback_binds_itself(tmp_path: Path) -> None:
+    """plugins=[OrtCheckpointIO()] with Lightning's ModelCheckpoint: the plugin learns its module from the strategy
+    Lightning hands it to, so ORT sees the trainable parameters as trainable, with or without BindCheckpointIO(),
+    and nothing warns (issue 33: it used to save everything as frozen, with a warning)."""
+    import warnings
+
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     from lightning_ort_ckpt.errors import CheckpointWarning
@@ -151,8 +154,9 @@ def test_the_plugin_without_the_callback_needs_one_line(tmp_path: Path) -> None:
             return set(reader.trainable)
 
     assert trainable(True, tmp_path / "bound") == {"head.weight", "head.bias"}
-    with pytest.warns(CheckpointWarning, match="BindCheckpointIO"):
-        assert trainable(False, tmp_path / "bare") == set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        assert trainable(False, tmp_path / "bare") == {"head.weight", "head.bias"}
 
 
 def test_mypy_sees_the_readme_classes(tmp_path: Path) -> None:
@@ -279,10 +283,10 @@ def test_resuming_from_last_reads_the_chosen_file_once(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(FsspecStore, "fetched", fetched)
     monkeypatch.setattr(_reading, "read_contents", read_contents)
-    import lightning_ort_ckpt._callback as callback_module
     import lightning_ort_ckpt._plugin as plugin_module
+    import lightning_ort_ckpt._resume as resume_module
 
-    monkeypatch.setattr(callback_module, "read_contents", read_contents)
+    monkeypatch.setattr(resume_module, "read_contents", read_contents)
     monkeypatch.setattr(plugin_module, "read_contents", read_contents)
     trainer = pl.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False,

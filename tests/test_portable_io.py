@@ -18,6 +18,7 @@ import torch
 
 from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic, _diskio as diskio
+from lightning_ort_ckpt.format._atomic import _lock
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
 from test_crash_safety import *  # noqa: F401,F403  (collected again here, on the portable path)
 from test_roundtrip import *  # noqa: F401,F403
@@ -30,7 +31,7 @@ def _portable(monkeypatch):
     assert portable_io()
     # Without pid probing, the lock file of a writer the crash tests SIGKILL mid-commit is taken over only once it
     # is LOCK_STALE_S old (2 minutes; test_concurrency tests that rule): here, after 2 s.
-    monkeypatch.setattr(atomic, "LOCK_STALE_S", 2.0)
+    monkeypatch.setattr(_lock, "LOCK_STALE_S", 2.0)
 
 
 def _state() -> CheckpointContents:

@@ -93,11 +93,12 @@ class Announce(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.slow_disk and trainer.global_step == 2:
             # a disk that stalls for 2 s: every save asked for after this waits in the queue behind it
-            trainer.strategy.checkpoint_io._run_later(time.sleep, 2.0)
+            trainer.strategy.checkpoint_io._executor.run(time.sleep, 2.0)
         print(f"training {trainer.global_step}", flush=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        worker = trainer.strategy.checkpoint_io._queue  # test-only look: are saves still queued at the signal?
+        # test-only look: are saves still queued at the signal?
+        worker = getattr(trainer.strategy.checkpoint_io._executor, "_queue", None)
         busy = worker is not None and worker.busy()
         print(f"interrupted {trainer.global_step} {type(exception).__name__} busy={busy}", flush=True)
 

@@ -169,19 +169,20 @@ class CPUFSDPStrategy(FSDPStrategy):
 def strategy(kind, devices):
     if kind.startswith("mp"):
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=kind == "mp-sharded")
+                                     save_distributed_checkpoint=kind.startswith("mp-sharded"))
     return CPUFSDPStrategy(state_dict_type=kind.split("-")[1], auto_wrap_policy={nn.Linear})
 
 
-def fit(out, kind, name, max_steps, devices=2, ckpt_path=None, every=4, top_k=-1):
+def fit(out, kind, name, max_steps, devices=2, ckpt_path=None, every=4, top_k=-1, extra=()):
     pl.seed_everything(0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 8, generator=g)
     y = torch.sin(x).sum(1, keepdim=True)
-    cb = OrtCheckpoint(os.path.join(out, kind, name), every_n_train_steps=every, save_top_k=top_k)
+    cb = OrtCheckpoint(os.path.join(out, kind, name), every_n_train_steps=every, save_top_k=top_k,
+                       async_save=kind.endswith("-async"))
     trainer = pl.Trainer(max_steps=max_steps, strategy=strategy(kind, devices), devices=devices,
                          accelerator="cpu",
-                         logger=False, callbacks=[Record(out, f"{kind}-{name}"), cb], num_sanity_val_steps=0,
+                         logger=False, callbacks=[Record(out, f"{kind}-{name}"), cb, *extra], num_sanity_val_steps=0,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(Net(kind.startswith("mp")), DataLoader(TensorDataset(x, y), batch_size=4), ckpt_path=ckpt_path)
     wrapped = sorted(k for k in ("save_checkpoint", "load_checkpoint") if k in vars(trainer.strategy))
@@ -238,6 +239,31 @@ def memory_of_full_saves(out):
             json.dump({"peaks_mib": peaks, "gathered_mib": gathered}, f)
 
 
+class NoRoomAfterStep1(pl.Callback):
+    """From step 1 on, no file of this process may grow past 256 bytes (the kernel's RLIMIT_FSIZE, its signal
+    ignored): the step-2 save fails as on a full disk, on every rank, while it is written."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import resource, signal
+        if trainer.global_step == 1:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (256, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def fit_failing(out, kind):
+    import resource
+    try:
+        fit(out, kind, "failing", 6, every=2, extra=[NoRoomAfterStep1()])
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit[1], limit[1]))
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    with open(os.path.join(out, f"{kind}-failing.error{rank}.json"), "w") as f:
+        json.dump(error, f)
+
+
 out, phase, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 warnings.simplefilter("ignore")
 with warnings.catch_warnings(record=True) as CAUGHT:
@@ -252,6 +278,8 @@ with warnings.catch_warnings(record=True) as CAUGHT:
             fit(out, kind, "last", 8, ckpt_path="last", every=2, top_k=1)
         elif phase == "memory":
             memory_of_full_saves(out)
+        elif phase == "fail":
+            fit_failing(out, kind)
         else:
             fit(out, kind, "resumed1", 8, devices=1, ckpt_path=os.path.join(out, kind, "half", "epoch=0-step=4.ckpt"))
 '''
@@ -432,3 +460,45 @@ def test_sharded_tensors_become_dtensors_over_the_same_memory(tmp_path: Path) ->
     finally:
         if own:
             dist.destroy_process_group()
+
+
+# -- asynchronous sharded saves (issue 34) -----------------------------------------------------------------------
+ASYNC = ("mp-sharded-async", "fsdp-sharded-async")
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The launches of ``runs`` for sharded saves with ``async_save=True``, and one whose step-2 save fails."""
+    tmp_path = tmp_path_factory.mktemp("sharded-async")
+    launch(tmp_path, "first", ",".join(ASYNC))
+    launch(tmp_path, "resume", ",".join(ASYNC))
+    for kind in ASYNC:
+        shutil.copytree(tmp_path / kind / "half", tmp_path / kind / "last")
+    launch(tmp_path, "last", ",".join(ASYNC))
+    launch(tmp_path, "fail", ",".join(ASYNC))
+    return tmp_path
+
+
+@pytest.mark.parametrize("mode", ASYNC)
+def test_async_sharded_resume_is_bitwise_the_uninterrupted_run(async_runs: Path, mode: str) -> None:
+    test_resume_is_bitwise_the_uninterrupted_run(async_runs, mode)
+    for name in ("half", "full"):  # every save written and committed by the end of fit
+        folder = async_runs / mode / name
+        assert sorted(p.name for p in folder.iterdir()) == (
+            [CKPT] if name == "half" else [CKPT, "epoch=1-step=8.ckpt"])
+        assert all(is_sharded_checkpoint(str(p)) for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("mode", ASYNC)
+def test_async_sharded_retention_and_last_stay_in_order(async_runs: Path, mode: str) -> None:
+    test_last_resumes_a_sharded_folder_and_retention_removes_folders_whole(async_runs, mode)
+
+
+@pytest.mark.parametrize("mode", ASYNC)
+def test_a_failed_async_sharded_save_is_raised_on_every_rank_and_leaves_no_folder(async_runs: Path,
+                                                                                   mode: str) -> None:
+    for rank in (0, 1):
+        error = json.loads((async_runs / f"{mode}-failing.error{rank}.json").read_text())
+        assert error is not None and error.startswith("CheckpointSaveError: "), (rank, error)
+        assert "epoch=0-step=2.ckpt" in error, (rank, error)
+    assert not (async_runs / mode / "failing" / "epoch=0-step=2.ckpt").exists()

@@ -1,7 +1,9 @@
 """The conformance zoo: every model shape of ``zoo_models.ZOO`` through the three round trips, with the real
 Lightning Trainer and onnxruntime-training 1.19.2.
 
-(a) save at an epoch boundary -> ``fit(ckpt_path=...)`` -> bitwise equal to the uninterrupted run;
+(a) save at an epoch boundary -> ``fit(ckpt_path=...)`` -> bitwise equal to the uninterrupted run, in every
+    configuration a user can write: ``OrtCheckpoint``, ``OrtCheckpointIO`` + ``BindCheckpointIO``, and
+    ``OrtCheckpointIO`` alone (with Lightning's ``ModelCheckpoint``);
 (b) Lightning's file -> ``make_training_artifacts`` -> ORT ``CheckpointState`` + ``Module`` + ``Optimizer`` -> a few
     ORT steps -> ORT saves (with and without optimizer state, and once more with Lightning's metadata stripped, as a
     file ORT alone wrote) -> ``fit(ckpt_path=...)`` restores ORT's weights bitwise, under every ``state_dict`` name;
@@ -32,7 +34,9 @@ import torch
 pytest.importorskip("onnxruntime.training")
 pl = pytest.importorskip("pytorch_lightning")
 
-from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.artifacts import ArtifactsError, TrainingArtifacts, make_training_artifacts
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.export import export_onnx
@@ -67,16 +71,25 @@ def loader(entry: Entry) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True)
 
 
-def trainer(entry: Entry, callbacks: list[Any] = (), **limits: Any) -> pl.Trainer:
+MODES = ("bind", "alone", "callback")
+"""How the user writes it: ``OrtCheckpointIO`` + ``BindCheckpointIO``; ``OrtCheckpointIO`` alone, beside Lightning's
+own ``ModelCheckpoint`` (saving nothing itself here: ``save_top_k=0``); ``OrtCheckpoint`` (its own plugin)."""
+
+
+def trainer(entry: Entry, callbacks: list[Any] = (), mode: str = "bind", **limits: Any) -> pl.Trainer:
+    ours = {"bind": ([OrtCheckpointIO(**entry.plugin)], [BindCheckpointIO()]),
+            "alone": ([OrtCheckpointIO(**entry.plugin)], [ModelCheckpoint(save_top_k=0)]),
+            "callback": ([], [OrtCheckpoint(save_top_k=0, **entry.plugin)])}
+    plugins, extra = ours[mode]
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False, plugins=[OrtCheckpointIO(**entry.plugin)],
-                      callbacks=[*callbacks, BindCheckpointIO()], deterministic=True, **entry.trainer, **limits)
+                      enable_model_summary=False, enable_checkpointing=mode != "bind", plugins=plugins,
+                      callbacks=[*callbacks, *extra], deterministic=True, **entry.trainer, **limits)
 
 
-def fit(entry: Entry, model: Any, ckpt_path: Any = None, callbacks: list[Any] = (), **limits: Any) -> tuple[
-        pl.Trainer, list[str]]:
+def fit(entry: Entry, model: Any, ckpt_path: Any = None, callbacks: list[Any] = (), mode: str = "bind",
+        **limits: Any) -> tuple[pl.Trainer, list[str]]:
     """Fit, returning the trainer and the CheckpointWarnings raised."""
-    t = trainer(entry, callbacks, **limits)
+    t = trainer(entry, callbacks, mode, **limits)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t.fit(model, loader(entry), ckpt_path=None if ckpt_path is None else str(ckpt_path))
@@ -110,12 +123,21 @@ def epoch_one(tmp_path_factory: Any) -> dict[str, str]:
 # -- (a) Lightning save -> resume ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("entry", ZOO, ids=_IDS)
-def test_resume_at_epoch_boundary_is_bitwise_the_uninterrupted_run(entry: Entry, epoch_one: dict[str, str]) -> None:
+def test_resume_at_epoch_boundary_is_bitwise_the_uninterrupted_run(entry: Entry, mode: str,
+                                                                   epoch_one: dict[str, str], tmp_path: Any) -> None:
+    start = epoch_one[entry.name]
+    if mode != "bind":  # the whole run in this configuration: the epoch-1 file too
+        t, warned = fit(entry, entry.build(0), mode=mode, max_epochs=1, default_root_dir=tmp_path)
+        assert not warned, warned
+        start = str(tmp_path / "epoch1.ckpt")
+        t.save_checkpoint(start)
+        assert load_checkpoint(start).trainable.keys() == load_checkpoint(epoch_one[entry.name]).trainable.keys()
     straight = entry.build(0)  # build() seeds torch: the same start as epoch_one's
-    fit(entry, straight, max_epochs=2)
+    fit(entry, straight, mode=mode, max_epochs=2, default_root_dir=tmp_path / "straight")
     resumed = entry.build(7)  # another seed: the checkpoint's weights and random states must win
-    t, warned = fit(entry, resumed, epoch_one[entry.name], max_epochs=2)
+    t, warned = fit(entry, resumed, start, mode=mode, max_epochs=2, default_root_dir=tmp_path / "resumed")
     assert not warned, warned
     assert t.global_step == straight.trainer.global_step > 0
     assert_same_state(resumed.state_dict(), straight.state_dict(), entry.name)

@@ -120,7 +120,8 @@ def open_regular(path: str, what: str = "checkpoint", owner: str | None = None) 
     except (FileNotFoundError, NotADirectoryError):
         raise CorruptCheckpointError("no such checkpoint file" if owner is None else f"its {label} is missing",
                                      where) from None
-    except OSError as e:  # permission denied, a symlink loop, ...
+    except OSError as e:  # permission denied, a symlink loop, a socket (which no open takes), ...
+        check_kind(path, label, where)
         raise CheckpointError(f"cannot open the {label}: {e.strerror or e}", where) from None
     try:
         check_regular(os.fstat(fd).st_mode, label, where)
@@ -128,6 +129,16 @@ def open_regular(path: str, what: str = "checkpoint", owner: str | None = None) 
         os.close(fd)
         raise
     return fd
+
+
+def check_kind(path: str, label: str, where: str) -> None:
+    """After an open of ``path`` failed: our error saying what it is when it is no regular file (a socket cannot be
+    opened at all, so the open's own error would not say); nothing where it cannot be looked at either."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    check_regular(mode, label, where)
 
 
 def check_regular(mode: int, label: str, where: str) -> None:

@@ -16,14 +16,13 @@ S3 gets limits of ours (``S3_LIMITS``) under the user's ``storage_options``, so 
 does not answer fails within about 15 s (unreachable) or 45 s (silent), not minutes: botocore's connect and read
 timeouts and retries (``config_kwargs``; the user's keys win, a ``retries`` of theirs replaces ours whole), and
 s3fs's own retry loop around each botocore call (a class attribute in s3fs, 5 attempts): the file system is an
-``S3FileSystem`` subclass of ours with one. fsspec caches file system instances per class and options, so no
+``S3FileSystem`` subclass of ours with one (``_fsspec_compat``, with every private fsspec and s3fs name we use). fsspec caches file system instances per class and options, so no
 instance other code holds is changed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import posixpath
 import secrets
@@ -33,7 +32,9 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from ._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME, SaveFiles, data_path
+from ._fsspec_compat import abandon, bounded_s3, instance
 from ._shared_data import Identity
+from ._urls import is_remote
 
 _WHOLE_ON_COMPLETE = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
 """Stores that publish an upload only once it is completed, and drop it when it is aborted (``discard``)."""
@@ -55,18 +56,26 @@ class FsspecStore:
 
     rewritable = False  # an upload cannot be written back into: the writer hashes first
     links = False
+    local = False
 
     def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
         self.storage_options = storage_options or {}
+
+    @classmethod
+    def handles(cls, path: str | os.PathLike[str] | None) -> bool:
+        """Every URL of a file system other than the local one (fsspec knows the protocol, or says it does not)."""
+        return is_remote(path)
+
+    @classmethod
+    def wait_for_cleanup(cls) -> None:
+        """Nothing to wait for: objects are deleted on the caller's thread."""
 
     def _fs(self, url: str) -> tuple[Any, str]:
         from fsspec.core import split_protocol, url_to_fs
 
         if split_protocol(url)[0] in _S3_PROTOCOLS and "::" not in url:
-            cls = _bounded_s3()
             config = {**S3_LIMITS, **(self.storage_options.get("config_kwargs") or {})}
-            options = {**cls._get_kwargs_from_urls(url), **self.storage_options, "config_kwargs": config}
-            return cls(**options), cls._strip_protocol(url)
+            return instance(bounded_s3(S3FS_ATTEMPTS), url, {**self.storage_options, "config_kwargs": config})
         return url_to_fs(url, **self.storage_options)
 
     @contextlib.contextmanager
@@ -124,10 +133,31 @@ class FsspecStore:
         except Exception:  # noqa: BLE001 - missing, a directory, no access: nothing to read
             return b""
 
+    def check_file(self, path: str) -> None:
+        """An object store holds no FIFOs nor devices: nothing to refuse."""
+
     def exists(self, path: str) -> bool:
         fs, where = self._fs(path)
         fs.invalidate_cache(posixpath.dirname(where))  # another process (or file system object) may have changed it
         return bool(fs.exists(where))
+
+    def is_directory(self, path: str) -> bool:
+        fs, where = self._fs(path)
+        fs.invalidate_cache(posixpath.dirname(where))
+        return bool(fs.isdir(where))
+
+    def size(self, path: str) -> int:
+        fs, where = self._fs(path)
+        return int(fs.size(where))
+
+    def join(self, directory: str, name: str) -> str:
+        return directory.rstrip("/") + "/" + name
+
+    def absolute(self, path: str) -> str:
+        return path
+
+    def temp_name(self, path: str) -> str:
+        return _hidden(path)
 
     def modified(self, path: str) -> float:
         try:
@@ -191,6 +221,21 @@ class FsspecStore:
     def link_target(self, path: str) -> str | None:
         return None
 
+    def join(self, directory: str, name: str) -> str:
+        return f"{directory.rstrip('/')}/{name}"
+
+    def absolute(self, path: str) -> str:
+        return path
+
+    def size(self, path: str) -> int:
+        fs, where = self._fs(path)
+        try:
+            if fs.isdir(where):
+                return int(sum(info.get("size") or 0 for info in fs.find(where, detail=True).values()))
+            return int(sum(fs.size(p) for p in (where, data_path(where)) if fs.isfile(p)))
+        except (OSError, ValueError):
+            return 0
+
     def contains(self, directory: str, path: str) -> bool:
         root, folder = posixpath.normpath(directory), posixpath.normpath(posixpath.dirname(path))
         return folder == root or folder.startswith(root.rstrip("/") + "/")
@@ -204,8 +249,7 @@ class _Upload:
         protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
         self._temporary: str | None = None
         if not protocols & _WHOLE_ON_COMPLETE:  # a file system that shows files being written: a hidden name first
-            folder, name = posixpath.split(where)
-            self._temporary = posixpath.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+            self._temporary = _hidden(where)
         self.file: BinaryIO = fs.open(self._temporary or where, "wb")
 
     def complete(self) -> None:
@@ -215,27 +259,16 @@ class _Upload:
             self._temporary = None
 
     def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self.file.discard()  # type: ignore[attr-defined]  # aborts a multipart upload: nothing appears
-        with contextlib.suppress(AttributeError):  # (a file that is no AbstractBufferedFile has no such setter)
-            self.file.closed = True  # type: ignore[misc]  # no completion at garbage collection either
+        abandon(self.file)
         if self._temporary is not None:
             with contextlib.suppress(Exception):
                 self._fs.rm(self._temporary)
 
 
-@functools.cache
-def _bounded_s3() -> Any:
-    """s3fs's file system with ``S3FS_ATTEMPTS`` (s3fs has no option for it): a class of its own, so no instance of
-    s3fs's is changed (fsspec's cache keys hold the class), in s3fs's cache of instances, so that clearing it (after
-    the environment's credentials or endpoint changed) clears ours too."""
-    from s3fs import S3FileSystem
-
-    class BoundedS3FileSystem(S3FileSystem):  # type: ignore[misc]
-        retries = S3FS_ATTEMPTS
-
-    BoundedS3FileSystem._cache = S3FileSystem._cache
-    return BoundedS3FileSystem
+def _hidden(path: str) -> str:
+    """A hidden temporary name beside ``path`` (a URL, or a path on its file system)."""
+    folder, name = posixpath.split(path)
+    return posixpath.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
 
 
 def _renamed(error: CheckpointError, local: str, url: str) -> CheckpointError:

@@ -1,17 +1,22 @@
 """The local disk as a checkpoint store: the journaled atomic commit of ``_atomic`` (durable directories, writer
-locks, crash recovery), hard links for frozen sharing and relative symbolic links for ``save_last="link"``."""
+locks, crash recovery), hard links for frozen sharing and relative symbolic links for ``save_last="link"``. It takes
+every path no other backend claims (a path, or a ``file://`` URL)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
+from ..errors import CheckpointError
 from . import _atomic
 from ._atomic import SaveFiles
-from ._diskio import open_regular
+from ._diskio import check_regular, open_regular
 from ._shared_data import Identity
+from ._urls import is_remote
 
 
 class LocalStore:
@@ -19,6 +24,18 @@ class LocalStore:
 
     rewritable = True
     links = hasattr(os, "link")
+    local = True
+
+    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+        """``storage_options`` are fsspec's, for URLs: the local disk takes none (they are ignored)."""
+
+    @classmethod
+    def handles(cls, path: str | os.PathLike[str] | None) -> bool:
+        return not is_remote(path)
+
+    @classmethod
+    def wait_for_cleanup(cls) -> None:
+        _atomic.wait_for_cleanup()
 
     def writing(self, path: str, *, with_data: bool, required_bytes: int,
                 link_data: tuple[str, Identity] | None = None) -> AbstractContextManager[SaveFiles]:
@@ -30,8 +47,14 @@ class LocalStore:
 
     def read_head(self, path: str, size: int) -> bytes:
         try:
-            fd = open_regular(path)  # a FIFO must not block the test, nor a symlink loop raise
-        except Exception:  # noqa: BLE001 - missing, a directory, a FIFO, no access: nothing to read
+            mode = os.stat(path).st_mode
+        except (OSError, ValueError):  # missing, a symlink loop, no access: nothing to read
+            return b""
+        if not stat.S_ISDIR(mode):
+            check_regular(mode, "checkpoint", path)  # a FIFO, socket or device: our error, never a wait
+        try:
+            fd = open_regular(path)  # non-blocking: a FIFO put there since cannot block us either
+        except CheckpointError:  # missing, a directory, no access, a symlink loop: nothing to read
             return b""
         try:
             return os.read(fd, size)
@@ -40,8 +63,27 @@ class LocalStore:
         finally:
             os.close(fd)
 
+    def check_file(self, path: str) -> None:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            os.close(open_regular(path))  # non-blocking, and our error for anything but a readable regular file
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
+
+    def is_directory(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def join(self, directory: str, name: str) -> str:
+        return os.path.join(directory, name)
+
+    def absolute(self, path: str) -> str:
+        return os.path.abspath(path)
+
+    def temp_name(self, path: str) -> str:
+        return _atomic.temp_name(path)
 
     def modified(self, path: str) -> float:
         try:
@@ -74,6 +116,16 @@ class LocalStore:
         if not os.path.islink(path):
             return None
         return os.path.join(os.path.dirname(path), os.readlink(path))
+
+    def join(self, directory: str, name: str) -> str:
+        return os.path.join(directory, name)
+
+    def absolute(self, path: str) -> str:
+        return os.path.abspath(path)
+
+    def size(self, path: str) -> int:
+        files = [path, _atomic.data_path(path)] if not os.path.isdir(path) else self._listed(path, True, False)
+        return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
 
     def contains(self, directory: str, path: str) -> bool:
         root = os.path.realpath(directory)

@@ -1,10 +1,13 @@
-"""Where checkpoint files live: the one place that asks "local disk or remote store?".
+"""Where checkpoint files live: the one interface every layer above reads and writes checkpoint files through.
 
-Every layer above reads and writes checkpoint files through a :class:`Store`, chosen once per path by
-:func:`store_for`: a local path (no ``protocol://``) gets :class:`~._local_store.LocalStore` (the journaled atomic
-commit, durable directories, writer locks, hard and symbolic links); any fsspec URL (S3, GCS, Azure, ``memory://``)
-gets :class:`~._fsspec_store.FsspecStore`, which swaps the file system and keeps everything else. A ``file://`` URL
-is the local path it names (:func:`local_path`). A new backend is one more class with these methods.
+A :class:`Store` is chosen once per path (per plugin, per call) by :func:`store_for` and passed down: each backend
+class says which paths are its own (:meth:`Backend.handles`, as ``torch.distributed.checkpoint``'s
+``validate_checkpoint_id``) and :func:`store_for` takes the first of :data:`BACKENDS` that does. A local path (no
+``protocol://``, or a ``file://`` URL: :func:`local_path`) is :class:`~._local_store.LocalStore`'s (the journaled
+atomic commit, durable directories, writer locks, hard and symbolic links); any other fsspec URL (S3, GCS, Azure,
+``memory://``) is :class:`~._fsspec_store.FsspecStore`'s, which swaps the file system and keeps everything else. A
+new backend is one more class with these methods, put first by :func:`register`. Questions about paths (how to join,
+compare or test them) are the store's too, so no layer above asks "local or remote?".
 
 The save pipeline is the same for every store (``_writer``): plan every byte, open the new files with
 :meth:`Store.writing`, stream the tensors into them, and leave the block: the store commits (atomically, or not at
@@ -15,7 +18,6 @@ writer then hashes the tensors before streaming instead of filling the checksum 
 from __future__ import annotations
 
 import os
-import re
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -23,13 +25,14 @@ from ._atomic import SaveFiles
 from ._fsspec_store import FsspecStore
 from ._local_store import LocalStore
 from ._shared_data import Identity
+from ._urls import is_remote, local_path, strip_protocol
+
+__all__ = ["BACKENDS", "Backend", "StorageOptions", "Store", "is_remote", "local_path", "register", "store_for",
+           "strip_protocol", "wait_for_cleanup"]
 
 StorageOptions = dict[str, Any]
 """fsspec's keyword arguments for the file system of a URL (credentials, ``client_kwargs``, s3fs's
 ``default_block_size``...)."""
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]+://|::")  # two letters at least: "C:\..." is a Windows path
-_LOCAL_PROTOCOLS = {"file", "local"}
 
 
 class Store(Protocol):
@@ -39,6 +42,8 @@ class Store(Protocol):
     """Whether the writer may write into a new file after streaming it (the checksum record); else it hashes first."""
     links: bool
     """Whether a new ``.data`` can be a hard link to an existing one (frozen sharing, ``format._shared_data``)."""
+    local: bool
+    """Whether its paths are the local file system's: :meth:`fetched` hands back the file itself (no download)."""
 
     def writing(self, path: str, *, with_data: bool, required_bytes: int,
                 link_data: tuple[str, Identity] | None = None) -> AbstractContextManager[SaveFiles]:
@@ -52,13 +57,36 @@ class Store(Protocol):
         ...
 
     def read_head(self, path: str, size: int) -> bytes:
-        """The first ``size`` bytes of a file; b"" when it cannot be read (missing, a directory, not a file)."""
+        """The first ``size`` bytes of a file; b"" when it cannot be read (missing, a directory, no access). A
+        FIFO, socket or device raises our error (:meth:`check_file`): it is never opened to wait on."""
+        ...
+
+    def check_file(self, path: str) -> None:
+        """Raise our error (:class:`~lightning_ort_ckpt.errors.CheckpointError`) naming ``path`` when it exists but
+        cannot be read as a file: a FIFO, socket or device (opening it could block forever), a symlink loop, no
+        access. Nothing for a missing path or a folder (the caller words those)."""
         ...
 
     def exists(self, path: str) -> bool: ...
 
+    def is_directory(self, path: str) -> bool:
+        """Whether ``path`` is a folder (a sharded checkpoint is one)."""
+        ...
+
+    def size(self, path: str) -> int:
+        """The size of the file ``path`` in bytes (``OSError`` when there is none)."""
+        ...
+
     def modified(self, path: str) -> float:
         """Last modification time (seconds since the epoch); ``-inf`` when unknown."""
+        ...
+
+    def join(self, directory: str, name: str) -> str:
+        """``name`` inside ``directory``, spelled as the store spells paths."""
+        ...
+
+    def absolute(self, path: str) -> str:
+        """The one spelling of ``path`` to compare paths by (a local path made absolute; a URL as it is)."""
         ...
 
     def list_files(self, directory: str, recursive: bool) -> list[str]:
@@ -85,40 +113,60 @@ class Store(Protocol):
         """Where the link ``path`` points (a path), or None when it is no link."""
         ...
 
+    def join(self, directory: str, name: str) -> str:
+        """``name`` inside ``directory``, spelled as the store spells its paths."""
+        ...
+
+    def absolute(self, path: str) -> str:
+        """One spelling per file, to compare paths (a local path made absolute; a URL as it is)."""
+        ...
+
+    def size(self, path: str) -> int:
+        """The bytes of a file and its ``.data``, or of everything in a folder; 0 when it is gone."""
+        ...
+
     def contains(self, directory: str, path: str) -> bool:
         """Whether ``path`` lies in ``directory`` or below it, after ``..`` and links in its folders are resolved
         (the name itself is never followed)."""
         ...
 
-
-def is_remote(path: str | os.PathLike[str] | None) -> bool:
-    """Whether ``path`` is a URL of a file system other than the local one."""
-    if not isinstance(path, (str, os.PathLike)):
-        return False
-    text = os.fspath(path)
-    if not _URL.search(text):
-        return False
-    from fsspec.utils import get_protocol
-
-    return get_protocol(text) not in _LOCAL_PROTOCOLS
+    def temp_name(self, path: str) -> str:
+        """A hidden name beside ``path`` for a file of this process's own (a background copy): what a killed
+        process left under it, the next save in the folder sweeps."""
+        ...
 
 
-def local_path(path: str | os.PathLike[str]) -> str:
-    """``path``, with a URL of the local file system (``file:///tmp/run``) turned into the path it names
-    (``/tmp/run``), so that it gets the local disk's atomic commit and links (Lightning's ``ModelCheckpoint`` would
-    make a folder named ``file:`` of it)."""
-    text = os.fspath(path)
-    return strip_protocol(text) if _URL.search(text) and not is_remote(text) else text
+class Backend(Protocol):
+    """A store class: it says which paths are its own, and makes a store for them."""
+
+    def __call__(self, storage_options: StorageOptions | None = None) -> Store: ...
+
+    def handles(self, path: str | os.PathLike[str] | None) -> bool:
+        """Whether paths like ``path`` are this backend's (a classmethod; ``None``: no path, the local disk)."""
+        ...
+
+    def wait_for_cleanup(self) -> None:
+        """Wait until deletions this backend left to a background thread are done (a classmethod)."""
+        ...
 
 
-def strip_protocol(url: str) -> str:
-    """The path of ``url`` as its file system names it (``s3://bucket/key`` -> ``bucket/key``)."""
-    from fsspec.core import strip_protocol as strip
+BACKENDS: tuple[Backend, ...] = (FsspecStore, LocalStore)
+"""The store classes :func:`store_for` asks, in order; the local disk last, as it takes any path no other does."""
 
-    return strip(url)
+
+def register(backend: Backend) -> None:
+    """Put ``backend`` ahead of the others: the paths it :meth:`handles <Backend.handles>` are its from now on."""
+    global BACKENDS
+    BACKENDS = (backend, *(b for b in BACKENDS if b is not backend))
 
 
 def store_for(path: str | os.PathLike[str] | None, storage_options: StorageOptions | None = None) -> Store:
-    """The store of ``path``: the local disk, or the fsspec file system of a URL (with ``storage_options``)."""
-    return FsspecStore(storage_options) if is_remote(path) else LocalStore()
+    """The store of ``path``, built with ``storage_options``: the first of :data:`BACKENDS` that handles it."""
+    backend = next(b for b in BACKENDS if b.handles(path))
+    return backend(storage_options)
 
+
+def wait_for_cleanup() -> None:
+    """Wait until every backend's background deletions are done (a plugin's teardown: no hidden file is left)."""
+    for backend in BACKENDS:
+        backend.wait_for_cleanup()

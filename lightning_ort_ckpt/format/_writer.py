@@ -21,6 +21,7 @@ import os
 import queue
 import struct
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
@@ -47,13 +48,15 @@ _INT64 = (-(2**63), 2**63 - 1)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str], *,
+def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str], *, store: Store | None = None,
                     external_data: ExternalData = "auto", checksums: bool = True,
                     shared: SharedFrozen | None = None,
                     storage_options: StorageOptions | None = None) -> SavedData | None:
-    """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data): a local path,
-    or an fsspec URL (``s3://bucket/run/last.ckpt``, with fsspec's ``storage_options``), through its store
-    (``_store``): plan every byte, stream the tensors into the store's new files, commit.
+    """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data) through
+    ``store`` (``_store``; by default the store of ``path`` without options: the local disk for a path, fsspec's
+    defaults for a URL such as ``s3://bucket/run/last.ckpt``; for credentials pass
+    ``store=store_for(url, storage_options)``): plan every byte, stream the tensors into the store's new files, commit.
+    ``storage_options`` is deprecated (give ``store``).
 
     ``external_data``: ``"auto"`` keeps everything in one file unless it would pass the FlatBuffers 2 GiB limit, then
     moves parameters (and, if still needed, optimizer momentums) to ``<path>.data``; ``"never"`` refuses instead;
@@ -70,7 +73,13 @@ def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str]
     put there is returned, or None where the file would pass 2 GiB that way and was written as ``"auto"`` writes it.
     """
     path = os.fspath(path)
-    store = store_for(path, storage_options)
+    if storage_options is not None:
+        if store is not None:
+            raise TypeError("save_checkpoint takes a store or storage_options, not both")
+        warnings.warn("save_checkpoint(storage_options=...) is deprecated: pass store=store_for(path, "
+                      "storage_options) (lightning_ort_ckpt.format._store)", DeprecationWarning, stacklevel=2)
+    if store is None:
+        store = store_for(path, storage_options)
     if shared is not None and not store.links:
         raise NotShared(path, [])
     if shared is not None and external_data == "auto":

@@ -1,0 +1,140 @@
+"""What a checkpoint directory holds, as Orbax's step registry sees it: one listing for "last", retention and the
+ranks' agreement (and, next, ``ort-ckpt ls`` and the loggers).
+
+A checkpoint is one unit: a file with its ``.data``, or a folder (a sharded checkpoint, committed by its
+``checkpoint.ort-meta``). :func:`scan` lists a directory through its :class:`~.format._store.Store` (local or remote)
+and says of every visible entry whether it is a committed checkpoint, a half-written one (a checkpoint folder whose
+save did not finish: skipped, and cleaned after the next save) or foreign (anything else: never touched). Committed
+checkpoints come newest first by the step and epoch recorded in their own metadata (a file's Lightning metadata, read
+without its tensors; a folder's metadata document), then by save order (when the file, or the folder's metadata
+file, was committed), never by a folder's modification time. A remote single file is not downloaded to be listed:
+its step is unknown (None), and such entries come after those whose step is known, in save order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from .errors import CheckpointError
+from .format import open_checkpoint
+from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
+from .format._store import StorageOptions, Store
+
+
+class Kind(Enum):
+    FILE = "file"
+    FOLDER = "folder"
+
+
+class State(Enum):
+    COMMITTED = "committed"  # a whole checkpoint (whether it loads is the reader's question)
+    HALF = "half"  # a checkpoint folder without its metadata: a save that did not finish
+    FOREIGN = "foreign"  # not a checkpoint of this directory's naming: left alone
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One unit in a checkpoint directory."""
+
+    path: str
+    kind: Kind
+    state: State
+    step: int | None = None  # the global step its own metadata records; None when unknown (see the module doc)
+    epoch: int | None = None
+    saved: float = float("-inf")  # when it was committed (the file's, or the folder's metadata file's, time)
+    problem: str | None = None  # why its own metadata cannot be read (a committed entry that cannot resume)
+    link: bool = False  # a symbolic link to another checkpoint (save_last="link")
+    size: int | None = None  # bytes, with its .data or everything in the folder; None unless asked for
+
+
+def scan(directory: str, store: Store, storage_options: StorageOptions | None = None, *, extension: str = ".ckpt",
+         recursive: bool = False, last_name: str = "last", sizes: bool = False) -> list[Entry]:
+    """Every visible entry of ``directory`` (and below it where ``recursive``; never inside a checkpoint folder):
+    committed checkpoints newest first, then half-written ones, then foreign ones. ``store`` is ``directory``'s,
+    built with ``storage_options``."""
+    folders = store.list_folders(directory, recursive)
+    checkpoints = [d for d in folders if d.endswith(extension) and not _inside_any(d, folders, extension)]
+    entries = [_folder(store, d, storage_options) for d in checkpoints]
+    for path in store.list_files(directory, recursive):
+        if _inside_any(path, checkpoints, extension) or (path.endswith(DATA_SUFFIX)
+                                                         and path[:-len(DATA_SUFFIX)].endswith(extension)):
+            continue  # a checkpoint folder's own files, a checkpoint's .data: parts of one unit
+        entries.append(_file(store, path) if path.endswith(extension) else
+                       Entry(path, Kind.FILE, State.FOREIGN, saved=store.modified(path)))
+    if sizes:
+        entries = [_with_size(store, e) for e in entries]
+    lasts = re.compile(rf"^{re.escape(last_name)}(-\d+)?{re.escape(extension)}$")
+    order = {State.COMMITTED: 0, State.HALF: 1, State.FOREIGN: 2}
+    # newest first; on a tie (a link and its target, a copy as "last") the link, then Lightning's last names
+    return sorted(entries, key=lambda e: (-order[e.state], e.step is not None, e.step or 0, e.saved, e.link,
+                                          bool(lasts.match(os.path.basename(e.path))), e.path), reverse=True)
+
+
+def committed(entries: list[Entry]) -> list[Entry]:
+    return [e for e in entries if e.state is State.COMMITTED]
+
+
+def half(entries: list[Entry]) -> list[Entry]:
+    return [e for e in entries if e.state is State.HALF]
+
+
+def _inside_any(path: str, folders: list[str], extension: str) -> bool:
+    return any(path != f and path.startswith(f.rstrip("/\\") + sep) for f in folders if f.endswith(extension)
+               for sep in ("/", os.sep))
+
+
+def _folder(store: Store, path: str, storage_options: StorageOptions | None) -> Entry:
+    meta = store.join(path, FOLDER_COMMIT_NAME)
+    if not store.exists(meta):
+        return Entry(path, Kind.FOLDER, State.HALF, saved=store.modified(path))
+    from ._dcp_storage import read_metadata  # a sharded checkpoint's metadata document, checked
+
+    step = epoch = problem = None
+    try:
+        tree = read_metadata(path, storage_options).get("tree")
+        step, epoch = _counter(tree, "global_step"), _counter(tree, "epoch")
+    except CheckpointError:
+        problem = f"a checkpoint folder whose {FOLDER_COMMIT_NAME} is damaged"
+    return Entry(path, Kind.FOLDER, State.COMMITTED, step, epoch, store.modified(meta), problem)
+
+
+def _file(store: Store, path: str) -> Entry:
+    """A checkpoint file; its step read from its Lightning metadata where the file is local (parsed, no tensor
+    read: a file that does not parse is committed with its ``problem``); a torch file's is not unpickled."""
+    step = epoch = problem = None
+    if store.local and store.read_head(path, 8)[4:8] == b"ODTC":
+        from ._translation import MANIFEST
+
+        try:
+            with open_checkpoint(path) as reader:
+                manifest = reader.properties.get(MANIFEST)
+            values = json.loads(manifest).get("values", {}) if isinstance(manifest, str) else {}
+            step, epoch = _counter(values, "global_step"), _counter(values, "epoch")
+        except (CheckpointError, OSError, ValueError, AttributeError) as e:
+            problem = str(e).removeprefix(f"{path}: ")
+    return Entry(path, Kind.FILE, State.COMMITTED, step, epoch, store.modified(path), problem,
+                 link=store.link_target(path) is not None)
+
+
+def _counter(tree: object, key: str) -> int | None:
+    value = tree.get(key) if isinstance(tree, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _with_size(store: Store, entry: Entry) -> Entry:
+    return replace(entry, size=store.size(entry.path))
+
+
+def belongs(directory: str, path: str, extension: str, store_of: Callable[[str], Store]) -> bool:
+    """Whether ``path`` is a checkpoint of ``directory``, which its callback may delete or link: a visible
+    ``*<extension>`` name in ``directory`` or a folder below it, on the same store, after ``..`` and symbolic links
+    in its folders are resolved (the name itself is never followed)."""
+    name = os.path.basename(path)
+    if name.startswith(".") or not name.endswith(extension):
+        return False
+    return type(store_of(path)) is type(store_of(directory)) and store_of(path).contains(directory, path)

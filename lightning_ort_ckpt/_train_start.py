@@ -1,0 +1,44 @@
+"""The callback a plugin used alone adds to its Trainer, to restore a resumed fit's random states.
+
+A fit resumed from one of our files restores the random states it saved when training starts (``on_train_start``:
+after Lightning built the data loaders, as in the uninterrupted run), which takes a callback. ``OrtCheckpoint`` and
+``BindCheckpointIO`` are such callbacks; a Trainer with neither (``plugins=[OrtCheckpointIO()]`` with Lightning's
+``ModelCheckpoint``) gets :class:`RestoreRandomStates` from the plugin when it loads the checkpoint of a fit, once
+per Trainer. A second restore finds nothing left to do, so a Trainer with both restores once.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Protocol
+
+from ._namespaces import namespace_of
+
+
+class Restorer(Protocol):
+    def restore_random_states(self, trainer: Any) -> None: ...
+
+
+class RestoreRandomStates:
+    """``on_train_start``: the plugin restores the random states of the checkpoint the fit resumed from."""
+
+    def __init__(self, plugin: Restorer) -> None:
+        self._plugin = weakref.ref(plugin)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        plugin = self._plugin()
+        if plugin is not None:
+            plugin.restore_random_states(trainer)
+
+
+@functools.cache
+def _callback_class(callback_base: type) -> type:
+    """:class:`RestoreRandomStates` as a ``Callback`` of one copy of Lightning (a Trainer takes only its own)."""
+    return type("RestoreRandomStates", (RestoreRandomStates, callback_base), {"__module__": __name__})
+
+
+def restore_at_train_start(trainer: Any, plugin: Restorer) -> None:
+    """Give ``trainer`` the callback that has ``plugin`` restore the random states when training starts (once)."""
+    if not any(isinstance(c, RestoreRandomStates) for c in trainer.callbacks):
+        trainer.callbacks.append(_callback_class(namespace_of(trainer).attr("callbacks.Callback"))(plugin))
