@@ -3,10 +3,11 @@ directories, globs), and ``ort-ckpt ls RUN_DIR``, a run as a table. A run direct
 registry (``_registry``, the listing "last" and retention use): its committed and half-written checkpoints; foreign
 files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote it).
 
-``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records, its size on disk (a file with its ``.data``, or a folder's files; a file hard-linked by several
-checkpoints, as frozen sharing's ``.data`` are, counts once, for the first checkpoint that holds it), whether it is
-valid (the reader's every structural check; ``--verify`` hashes every tensor too) or why not, and which is the
-best (the ``best_model_path`` the newest checkpoint's callback state records) and which the last.
+``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records,
+its size on disk (a file with its ``.data``, or a folder's files; a file hard-linked by several checkpoints, as
+frozen sharing's ``.data`` are, counts once, for the first checkpoint that holds it), whether it is valid (the
+reader's every structural check; ``--verify`` hashes every tensor too) or why not, and which is the best (the
+``best_model_path`` the newest checkpoint's callback state records) and which the last.
 """
 
 from __future__ import annotations

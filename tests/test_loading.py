@@ -1,6 +1,6 @@
 """Loading outside a Trainer (issue 33, point 3): one line in a fresh script
-(``lightning_ort_ckpt.load_from_checkpoint`` and the torch-style ``lightning_ort_ckpt.load``), and ``Trainer.validate/test/predict(ckpt_path=...)`` whenever the
-Trainer has our callback or plugin."""
+(``lightning_ort_ckpt.load_from_checkpoint`` and the torch-style ``lightning_ort_ckpt.load``), and
+``Trainer.validate/test/predict(ckpt_path=...)`` whenever the Trainer has our callback or plugin."""
 
 from __future__ import annotations
 
