@@ -454,7 +454,7 @@ def calling_strategy(io: Any, depth: int = 4) -> Any:
     (bare or wrapped), found as the ``self`` of one of the ``depth`` calling frames above ``io``'s method; None for a call
     from anywhere else. For a plugin that never saw its strategy's ``checkpoint_io`` setter (the Trainer was
     unpickled in a spawned process)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None
