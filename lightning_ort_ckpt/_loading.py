@@ -74,6 +74,6 @@ def load_from_checkpoint(cls: type[M], path: str | os.PathLike[str], **kwargs: A
     enable_ort_loading()
     try:
         with single_file(path) as single:
-            return cls.load_from_checkpoint(single, **kwargs)  # type: ignore[attr-defined,no-any-return]
+            return cls.load_from_checkpoint(single, **kwargs)  # type: ignore[attr-defined]
     finally:
         disable_ort_loading()

@@ -157,7 +157,7 @@ def check_export_config(module: Any, tolerance: Any, *, trial_export: bool = Tru
 
 
 def _init_params(cls: type) -> list[inspect.Parameter]:
-    return [p for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return [p for p in inspect.signature(cls).parameters.values()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
