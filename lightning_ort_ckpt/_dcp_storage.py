@@ -104,7 +104,6 @@ class OrtStorageWriter(StorageWriter):
         super().__init__()
         self.path = path
         self.tree = tree
-        self.storage_options = storage_options
         self.store: Store = store_for(path, storage_options)
         self.is_coordinator = False
         self.files: list[str] = []
