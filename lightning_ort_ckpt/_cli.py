@@ -516,7 +516,7 @@ def _render(r: dict[str, Any]) -> str:
     lines += ["", f"totals: {t['trainable']} trainable ({t['trainable_elements']:,} elements), {frozen} frozen "
                   f"({t['buffers_or_frozen_parameters_elements']:,} elements){bookkeeping}, {t['tensors']} tensors, "
                   f"{_size(t['data_bytes'])} of data, {_size(t['file_bytes'])} on disk",
-              f"  trainable: parameters ORT trains; frozen: buffers and frozen parameters of the module"]
+              "  trainable: parameters ORT trains; frozen: buffers and frozen parameters of the module"]
     if "checksums_checked" in r:
         lines.append(f"checksums: {r['checksums_checked']} of {t['tensors']} tensors checked"
                      + (" (verify checks every tensor)" if r["checksums_checked"] < t["tensors"] else ""))

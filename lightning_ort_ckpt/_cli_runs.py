@@ -26,7 +26,7 @@ from ._translation import MANIFEST
 from .errors import CheckpointError
 from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
 from .format._reader import CheckpointReader
-from .format._store import is_remote, store_for
+from .format._store import store_for
 
 _GLOB_CHARS = "*?["
 CHECKPOINT_SUFFIX = ".ckpt"  # Lightning's ModelCheckpoint.FILE_EXTENSION, which OrtCheckpoint keeps
@@ -39,7 +39,7 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
     found: list[tuple[str, str | None]] = []
     several = len(paths) > 1
     for path in paths:
-        if is_remote(path) or os.path.lexists(path) or not any(c in path for c in _GLOB_CHARS):
+        if not store_for(path).local or os.path.lexists(path) or not any(c in path for c in _GLOB_CHARS):
             matches = [path]
         else:
             several = True
@@ -47,7 +47,7 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
             if not matches:
                 found.append((path, "no file or folder matches"))
         for match in matches:
-            if not is_remote(match) and is_run_directory(match):
+            if store_for(match).local and is_run_directory(match):
                 several = True
                 inside = [(e.path, None) for e in sorted(checkpoints(match), key=lambda e: e.path)]
                 found += inside or [(match, "a directory without checkpoints (no *.ckpt file or checkpoint "

@@ -185,7 +185,7 @@ def _optimizer_to_ort(index: int, opt_state: dict[str, Any], info: ModuleInfo | 
             param, momentum = by_index[int(path[1])], optimizers.momentum_name(path[2], group)
             ort.states.setdefault(param, {})[momentum] = store(tensor, f"{group}/{param}/{momentum}")
             return [group, param, momentum]
-        return extra((f"optimizer_states", str(index), *path), tensor)
+        return extra(("optimizer_states", str(index), *path), tensor)
 
     encoded = values.encode(_state_with_str_keys(opt_state), sink)
     return {"group": group, "params": names, "ort_step": ort.step, "state_dict": encoded}
