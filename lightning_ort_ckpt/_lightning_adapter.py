@@ -17,7 +17,11 @@ Three kinds of use:
   instance, these methods (and ``teardown``, which ends the plugin's work too) are ours (``_strategies``), set on
   that instance only and removed at the plugin's ``teardown``. The strategy's save mode is read here
   (:func:`sharded_state_dict`);
-- **the one wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
+- **the setter** ``Strategy.checkpoint_io`` of Lightning's base strategy classes (Trainer's and Fabric's), wrapped
+  while an ``OrtCheckpointIO`` exists (:data:`CHECKPOINT_IO_ASSIGNMENT`): it tells the plugin which strategy it
+  serves; a Fabric strategy's ``save_checkpoint`` is wrapped per instance (:func:`wrap_fabric_save`), and a Trainer
+  unpickled in a spawned process is found from the calling frames (:func:`calling_strategy`);
+- **the wrap of the loader**, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
   ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
   content; every other file goes to Lightning's own function, unchanged. It is what lets
   ``LightningModule.load_from_checkpoint`` read ORT files, and the main process of the spawn/fork launchers read the
