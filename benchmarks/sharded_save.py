@@ -88,15 +88,17 @@ def _worker(mb: int, rounds: int, directory: str) -> None:
     writer.close()
     med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in stats.items()}
     shard_mb = mb / 2
-    print(f"rank {rank}: shard {shard_mb:.0f} MiB; ours keeps {held} MiB of staging memory between async saves",
-          flush=True)
+    lines = [f"rank {rank}: shard {shard_mb:.0f} MiB; ours keeps {held} MiB of staging memory between async saves"]
     for kind in ("save", "async", "load"):
         ours, theirs = med[f"ours {kind}"], med[f"dcp {kind}"]
         line = f"  {kind:5s} total ours {ours[1]:.3f} s, dcp {theirs[1]:.3f} s (x{ours[1] / theirs[1]:.2f})"
         if kind == "async":
             line += f"; stall ours {ours[0] * 1e3:.1f} ms, dcp {theirs[0] * 1e3:.1f} ms (x{ours[0] / theirs[0]:.2f})"
-        line += f"; memory ours {ours[2]:.0f} MiB, dcp {theirs[2]:.0f} MiB"
-        print(line, flush=True)
+        lines.append(line + f"; memory ours {ours[2]:.0f} MiB, dcp {theirs[2]:.0f} MiB")
+    for r in range(2):  # one rank after the other, not interleaved
+        if r == rank:
+            print("\n".join(lines), flush=True)
+        dist.barrier()
     dist.destroy_process_group()
 
 
