@@ -1,11 +1,18 @@
 """Sharded save and load per rank: ours (``save_sharded``/``load_sharded``: ODTC shard files, checksums, our
-metadata) against DCP's own ``FileSystemWriter``/``FileSystemReader`` on the same state, in the same run.
+metadata; ``dcp.async_save`` with ``lightning_ort_ckpt.dcp.OrtStorageWriter``) against DCP's own
+``FileSystemWriter``/``FileSystemReader`` (``dcp.save``, ``dcp.async_save``) on the same state, in the same run.
 
 Two processes (gloo on 127.0.0.1) each hold half of every tensor as a DTensor shard (``distribute_tensor`` over a
-1-D mesh: what FSDP2 holds), ``--mb`` MiB of float32 in all. Each round saves with both (alternating which goes
-first), then loads into fresh shards with both; the figure per rank is the median of ``--rounds`` rounds, timed
-between barriers (so a rank's time includes waiting for the other: the collective the save needs). Files go to
-``--dir`` (default: a temporary folder, the page cache warm). Run: ``python benchmarks/sharded_save.py --mb 256``.
+1-D mesh: what FSDP2 holds), ``--mb`` MiB of float32 in all. Each round saves with each (alternating the order),
+then loads into fresh shards with both; the figure per rank is the median of ``--rounds`` rounds, timed between
+barriers (so a rank's time includes waiting for the other: the collective the save needs). For asynchronous saves,
+"stall" is the time ``dcp.async_save`` takes to return (what the training step waits for: the staging copy) and
+"total" the time until the save is written; their collectives run on a gloo group of their own. "Memory" is the
+rank's peak resident memory during the save above what it held before (``VmHWM`` reset through
+``/proc/self/clear_refs``): the staging copy, buffers. Ours keeps its staging memory from save to save (so from the
+second round on the copy goes into memory already there); DCP's ``FileSystemWriter`` allocates it each save. Files
+go to ``--dir`` (default: a temporary folder, the page cache warm). Run:
+``python benchmarks/sharded_save.py --mb 256``.
 """
 
 from __future__ import annotations
@@ -18,6 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+
+
+def _kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def _worker(mb: int, rounds: int, directory: str) -> None:
@@ -28,7 +41,9 @@ def _worker(mb: int, rounds: int, directory: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from lightning_ort_ckpt._dcp_storage import load_sharded, save_sharded
+    from lightning_ort_ckpt.dcp import OrtStorageWriter
 
+    warnings.simplefilter("ignore")  # DCP's FileSystemWriter warns that it overwrites, every round
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
@@ -40,28 +55,50 @@ def _worker(mb: int, rounds: int, directory: str) -> None:
     fresh = {"state_dict": {k: distribute_tensor(torch.zeros(rows, 1024), mesh, [Shard(0)])
                             for k in state["state_dict"]}}
 
-    def timed(fn) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - start
-
     ours_dir, theirs_dir = os.path.join(directory, "ours.ckpt"), os.path.join(directory, "dcp")
-    times: dict[str, list[float]] = {"ours save": [], "dcp save": [], "ours load": [], "dcp load": []}
+    group = dist.new_group(backend="gloo")  # the background saves' collectives, apart from the barriers'
+    writer = OrtStorageWriter(os.path.join(directory, "ours-async"))
+    stats: dict[str, list[tuple[float, float, int]]] = {}
+
+    def run_async(make_writer) -> tuple[float, float]:
+        start = time.perf_counter()
+        future = dcp.async_save(state["state_dict"], storage_writer=make_writer(), process_group=group)
+        stall = time.perf_counter() - start
+        future.result()
+        return stall, time.perf_counter() - start
+
+    saves = [("ours save", lambda: (0.0, save_sharded(state, ours_dir))),
+             ("dcp save", lambda: (0.0, dcp.save(state["state_dict"], storage_writer=dcp.FileSystemWriter(theirs_dir)))),
+             ("ours async", lambda: run_async(lambda: writer)),
+             ("dcp async", lambda: run_async(lambda: dcp.FileSystemWriter(theirs_dir + "-async")))]
+    loads = [("ours load", lambda: (0.0, load_sharded(fresh, ours_dir))),
+             ("dcp load", lambda: (0.0, dcp.load(fresh["state_dict"], storage_reader=dcp.FileSystemReader(theirs_dir))))]
     for r in range(rounds):
-        saves = [("ours save", lambda: save_sharded(state, ours_dir)),
-                 ("dcp save", lambda: dcp.save(state["state_dict"],
-                                               storage_writer=dcp.FileSystemWriter(theirs_dir)))]
-        loads = [("ours load", lambda: load_sharded(fresh, ours_dir)),
-                 ("dcp load", lambda: dcp.load(fresh["state_dict"], storage_reader=dcp.FileSystemReader(theirs_dir)))]
         for name, fn in (saves if r % 2 == 0 else saves[::-1]) + (loads if r % 2 == 0 else loads[::-1]):
-            times[name].append(timed(fn))
+            dist.barrier()
+            with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
+                f.write("5")
+            before = _kb("VmRSS")
+            start = time.perf_counter()
+            stall = fn()[0]
+            dist.barrier()
+            stats.setdefault(name, []).append((stall, time.perf_counter() - start,
+                                               max(0, _kb("VmHWM") - before) >> 10))
+    held = sum(t.numel() * t.element_size() for t in writer._stager._buffers.values()) >> 20
+    writer.close()
+    med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in stats.items()}
     shard_mb = mb / 2
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"rank {rank}: shard {shard_mb:.0f} MiB; save ours {med['ours save']:.3f} s, dcp {med['dcp save']:.3f} s "
-          f"(x{med['ours save'] / med['dcp save']:.2f}); load ours {med['ours load']:.3f} s, dcp "
-          f"{med['dcp load']:.3f} s (x{med['ours load'] / med['dcp load']:.2f})", flush=True)
+    lines = [f"rank {rank}: shard {shard_mb:.0f} MiB; ours keeps {held} MiB of staging memory between async saves"]
+    for kind in ("save", "async", "load"):
+        ours, theirs = med[f"ours {kind}"], med[f"dcp {kind}"]
+        line = f"  {kind:5s} total ours {ours[1]:.3f} s, dcp {theirs[1]:.3f} s (x{ours[1] / theirs[1]:.2f})"
+        if kind == "async":
+            line += f"; stall ours {ours[0] * 1e3:.1f} ms, dcp {theirs[0] * 1e3:.1f} ms (x{ours[0] / theirs[0]:.2f})"
+        lines.append(line + f"; memory ours {ours[2]:.0f} MiB, dcp {theirs[2]:.0f} MiB")
+    for r in range(2):  # one rank after the other, not interleaved
+        if r == rank:
+            print("\n".join(lines), flush=True)
+        dist.barrier()
     dist.destroy_process_group()
 
 

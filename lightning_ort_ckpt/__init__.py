@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; at run time th
     from ._binding import BindCheckpointIO
     from ._callback import OrtCheckpoint
     from ._consolidate import consolidate
+    from ._export_callback import ExportBest
     from ._loading import load, load_from_checkpoint
     from ._plugin import OrtCheckpointIO
     from ._reading import disable_ort_loading, enable_ort_loading
@@ -24,7 +25,7 @@ __version__ = "0.3.0"
 
 _LAZY = {"OrtCheckpoint": "._callback", "OrtCheckpointIO": "._plugin", "BindCheckpointIO": "._binding",
          "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate",
-         "load": "._loading", "load_from_checkpoint": "._loading"}
+         "ExportBest": "._export_callback", "load": "._loading", "load_from_checkpoint": "._loading"}
 _DEPRECATED = {"Checkpoint": "CheckpointContents"}  # 0.2's names (format/_deprecated.py: the rule)
 
 
@@ -46,7 +47,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BindCheckpointIO", "CheckpointConfigError", "CheckpointContents", "CheckpointError", "CheckpointReader",
-    "CheckpointSaveError", "CorruptCheckpointError", "DataType", "OptimizerGroup", "OrtCheckpoint",
+    "CheckpointSaveError", "CorruptCheckpointError", "DataType", "ExportBest", "OptimizerGroup", "OrtCheckpoint",
     "OrtCheckpointIO", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load",
     "load_checkpoint", "load_from_checkpoint", "open_checkpoint", "save_checkpoint",
 ]

@@ -1,12 +1,12 @@
-"""How a plugin used without ``OrtCheckpoint`` learns which module and optimizers it saves.
+"""``BindCheckpointIO``: the callback that binds an ``OrtCheckpointIO`` used without ``OrtCheckpoint``.
 
-``Trainer(plugins=[OrtCheckpointIO()])`` with Lightning's own ``ModelCheckpoint`` (or ``trainer.save_checkpoint``):
-a ``CheckpointIO`` gets no reference to its Trainer from Lightning. The one line that gives it one is a callback,
-``Trainer(plugins=[OrtCheckpointIO()], callbacks=[BindCheckpointIO()])``: its ``setup`` (before anything is saved
-or restored, in every process of every launcher) binds the Trainer's ``OrtCheckpointIO``, bare or wrapped
+The plugin binds itself when Lightning hands it to a strategy (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``) and
+adds its own callback to restore the random states of a resumed fit (``_train_start``), so
+``Trainer(plugins=[OrtCheckpointIO()])`` with Lightning's ``ModelCheckpoint`` needs nothing more. This callback, the
+one line that used to be needed, still works and changes nothing: its ``setup`` (before anything is saved or
+restored, in every process of every launcher) binds the Trainer's ``OrtCheckpointIO``, bare or wrapped
 (``AsyncCheckpointIO``), to its strategy, and its ``on_train_start`` restores the random states of the checkpoint
-the fit resumed from. ``OrtCheckpoint`` does both itself. Nothing is added to a Trainer that does not ask for it.
-"""
+the fit resumed from. ``OrtCheckpoint`` does both itself."""
 
 from __future__ import annotations
 

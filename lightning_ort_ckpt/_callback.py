@@ -65,7 +65,7 @@ def use_exporter(factory: Exporter) -> None:
 class Hook(Enum):
     """The hook a save happens in: the trigger a verbose line names."""
 
-    OTHER = "a save"
+    OTHER = "the end of training, or an exception"
     BATCH_END = "training batch end"
     EPOCH_END = "training epoch end"
     VALIDATION_END = "validation end"
@@ -99,11 +99,12 @@ class OrtCheckpointMixin(_Base):
         Raises:
             CheckpointConfigError: an argument, or a combination of them, is invalid.
         """
-        settings = {k: v for k, v in (("external_data", external_data), ("ort_compatible", ort_compatible),
-                                      ("async_save", async_save), ("share_frozen", share_frozen),
-                                      ("storage_options", storage_options)) if v is not None}
-        triggers = {k: v for k, v in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
-                                      ("train_time_interval", train_time_interval)) if v is not None}
+        settings: dict[str, Any] = {k: v for k, v in (
+            ("external_data", external_data), ("ort_compatible", ort_compatible), ("async_save", async_save),
+            ("share_frozen", share_frozen), ("storage_options", storage_options)) if v is not None}
+        triggers: dict[str, Any] = {k: v for k, v in (
+            ("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
+            ("train_time_interval", train_time_interval)) if v is not None}
         _check_arguments(self.plugin_class, triggers, keep_newest, include_optimizer_state, save_weights_only,
                          checkpoint_io, settings, resume_fallback, export_best_to)
         if keep_newest is not None and monitor is None and save_top_k == 1:
@@ -150,8 +151,9 @@ class OrtCheckpointMixin(_Base):
         self.checkpoint_io = _install_plugin(self, trainer)
         self.checkpoint_io.bind(trainer.strategy)
         if self.checkpoint_io.storage_options is not None and not self._store().local:
-            _lightning_adapter.set_checkpoint_filesystem(self, self.dirpath, self.checkpoint_io.storage_options)
-        self._resumption.agree(lambda mine, adopt: _ranks.agree(trainer, self.dirpath, self._store(), stage == "fit",
+            _lightning_adapter.set_checkpoint_filesystem(self, str(self.dirpath), self.checkpoint_io.storage_options)
+        dirpath = os.fspath(self.dirpath) if self.dirpath is not None else None  # rank 0's (ModelCheckpoint's setup)
+        self._resumption.agree(lambda mine, adopt: _ranks.agree(trainer, dirpath, self._store(), stage == "fit",
                                                                 mine, adopt),
                                str(self.dirpath), self.checkpoint_io, self.checkpoint_io.storage_options)
         fallback = self._resumption.loading(_ranks.all_ranks(trainer), str(self.dirpath),
@@ -249,7 +251,7 @@ class OrtCheckpointMixin(_Base):
         verdict = self._decision.verdict(
             monitor_candidates, trainer.callback_metrics, trainer.global_step, self.save_top_k, batch_end=batch_end,
             validation_follows=batch_end and _lightning_adapter.validation_follows_batch(trainer))
-        if verdict is Verdict.RANKED and self.check_monitor_top_k(trainer, monitor_candidates[self.monitor]):
+        if verdict is Verdict.RANKED and self.check_monitor_top_k(trainer, monitor_candidates[str(self.monitor)]):
             self.current_score_step = trainer.global_step
         with self._saving(verdict):
             if verdict in (Verdict.PLAIN, Verdict.RANKED):
@@ -315,12 +317,13 @@ class OrtCheckpointMixin(_Base):
 
     def _confined(self, path: str) -> bool:
         """Whether this callback may delete ``path`` or link there or to it (``_registry.belongs``)."""
-        return bool(self.dirpath) and _registry.belongs(self.dirpath, path, self.FILE_EXTENSION, self._store)
+        return self.dirpath is not None and _registry.belongs(os.fspath(self.dirpath), path, self.FILE_EXTENSION,
+                                                               self._store)
 
-    def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:
+    def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:  # type: ignore[override]
         """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable; on a store
         without links, a copy, independent of ``filepath`` from then on. Every rank raises, or none."""
-        refused = None if self._confined(filepath) and self._confined(linkpath) else CheckpointError(
+        refused: Exception | None = None if self._confined(filepath) and self._confined(linkpath) else CheckpointError(
             f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; refusing to link {linkpath!r} "
             f"to {filepath!r}", linkpath)
         if refused is None and trainer.is_global_zero and self._store().absolute(filepath) != \
@@ -337,9 +340,10 @@ class OrtCheckpointMixin(_Base):
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
+        nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # sub-folders only where names make them
         entries = _registry.scan(directory, self._store(directory), self.checkpoint_io.storage_options,
                                  extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,
-                                 recursive="/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST) if directory else []
+                                 recursive=nested) if directory else []
         rank_zero = trainer.global_rank == 0
         half = [e.path for e in _registry.half(entries)]
         if half and rank_zero:  # saves that did not finish: retention deletes them once the next save is stored

@@ -1,16 +1,20 @@
 """The ``ort-ckpt`` command: look inside and check ORT checkpoints. Runs without torch.
 
-``ort-ckpt inspect FILE [--json]`` lists tensors, optimizer groups, properties and totals (``--json``: strict JSON;
-non-finite floats are the strings "nan", "inf", "-inf"; the text shows characters a terminal would act on, in names
-and values taken from the file, as escapes like ``\x1b``); ``ort-ckpt verify FILE`` runs every check of the reader,
-checks every tensor against its recorded checksum, reading a chunk at a time (memory holds a chunk, not the file),
-and that the Lightning metadata decodes (fully when torch is installed), and exits 0 when the file is valid, 1 when
-it is not, naming what is wrong; ``ort-ckpt export FILE --module pkg.mod:Class --output model.onnx`` writes a
-deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra). Failures print one ``error:
-...`` line, never a traceback, and exit 1. ``FILE`` may be an fsspec URL (``s3://...``),
-read with the store's default configuration (for S3: the ``AWS_*`` environment variables, ``AWS_ENDPOINT_URL``
-included, or ``FSSPEC_S3_*``). ``FILE`` may also be a sharded checkpoint directory (it is consolidated into a
-temporary file first, which needs torch); ``ort-ckpt consolidate DIR OUT.ckpt`` writes one as one ORT file.
+``ort-ckpt inspect PATH... [--json]`` lists tensors (parameters, buffers and frozen parameters, and Lightning's
+bookkeeping counted apart), optimizer groups, properties and totals, and checks the checksums of the smallest tensors
+("damaged, run verify" when one fails; ``--json``: strict JSON; non-finite floats are the strings "nan", "inf",
+"-inf"; the text shows characters a terminal would act on, in names and values taken from the file, as escapes like
+``\x1b``); ``ort-ckpt verify PATH...`` runs every check of the reader, checks every tensor against its recorded
+checksum, reading a chunk at a time (memory holds a chunk, not the file), and that the Lightning metadata decodes
+(fully when torch is installed), and exits 0 when every checkpoint is valid, 1 when one is not, naming what is wrong.
+A ``PATH`` is a file, an fsspec URL (``s3://...``, read with the store's default configuration: for S3 the
+``AWS_*`` environment variables, ``AWS_ENDPOINT_URL`` included, or ``FSSPEC_S3_*``), a sharded checkpoint directory
+(consolidated into a temporary file first, which needs torch), a run directory (its checkpoints) or a glob; several
+end with one summary line (``_cli_runs``). ``ort-ckpt ls DIR`` shows a run as a table; ``ort-ckpt consolidate DIR
+OUT.ckpt`` writes a sharded directory as one ORT file; ``ort-ckpt export FILE --module pkg.mod:Class --output
+model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra).
+Failures print one ``error: ...`` (or ``INVALID ...``) line per checkpoint, never a traceback, and exit 1; every
+command takes ``--json``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import CheckpointContents, OptimizerGroup
-from .format._store import is_remote, store_for
+from .format._store import store_for
 from .format._reader import CheckpointReader, TensorInfo
 from .format._shared_data import damage_note
 from ._cli_runs import expand, ls, repair
@@ -517,7 +521,7 @@ def _render(r: dict[str, Any]) -> str:
     lines += ["", f"totals: {t['trainable']} trainable ({t['trainable_elements']:,} elements), {frozen} frozen "
                   f"({t['buffers_or_frozen_parameters_elements']:,} elements){bookkeeping}, {t['tensors']} tensors, "
                   f"{_size(t['data_bytes'])} of data, {_size(t['file_bytes'])} on disk",
-              f"  trainable: parameters ORT trains; frozen: buffers and frozen parameters of the module"]
+              "  trainable: parameters ORT trains; frozen: buffers and frozen parameters of the module"]
     if "checksums_checked" in r:
         lines.append(f"checksums: {r['checksums_checked']} of {t['tensors']} tensors checked"
                      + (" (verify checks every tensor)" if r["checksums_checked"] < t["tensors"] else ""))

@@ -1,12 +1,13 @@
 """``ort-ckpt`` for whole runs: the paths ``verify`` and ``inspect`` take (files, sharded checkpoint folders, run
-directories, globs), and ``ort-ckpt ls RUN_DIR``, a run as a table. Runs without torch (a sharded checkpoint's
-folder is then listed, not checked).
+directories, globs), and ``ort-ckpt ls RUN_DIR``, a run as a table. A run directory is listed by the checkpoint
+registry (``_registry``, the listing "last" and retention use): its committed and half-written checkpoints; foreign
+files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote it).
 
-``ls`` shows each checkpoint of the directory (``_run_listing``) with the step, epoch and monitored score its own
-metadata records, its size on disk (a file with its ``.data``, or a folder's files; a file hard-linked by several
-checkpoints, as frozen sharing's ``.data`` are, counts once, for the first checkpoint that holds it), whether it is
-valid (the reader's every structural check; ``--verify`` hashes every tensor too) or why not, and which is the
-best (the ``best_model_path`` the newest checkpoint's callback state records) and which the last.
+``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records,
+its size on disk (a file with its ``.data``, or a folder's files; a file hard-linked by several checkpoints, as
+frozen sharing's ``.data`` are, counts once, for the first checkpoint that holds it), whether it is valid (the
+reader's every structural check; ``--verify`` hashes every tensor too) or why not, and which is the best (the
+``best_model_path`` the newest checkpoint's callback state records) and which the last.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from typing import Any
 from ._cli_text import shown as _shown
 from ._cli_text import size as _size
 from ._cli_text import table as _table
-from ._run_listing import Unit, is_run_directory, units
+from ._registry import Entry, Kind, State, scan
 from ._translation import MANIFEST
 from .errors import CheckpointError
+from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
 from .format._reader import CheckpointReader
 from .format._shared_data import repair as _repair
 from .format._shared_data import sharing_checkpoints
-from .format._store import is_remote
+from .format._store import store_for
 
 _GLOB_CHARS = "*?["
+CHECKPOINT_SUFFIX = ".ckpt"  # Lightning's ModelCheckpoint.FILE_EXTENSION, which OrtCheckpoint keeps
 
 
 def repair(paths: list[str]) -> list[str]:
@@ -55,7 +58,7 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
     found: list[tuple[str, str | None]] = []
     several = len(paths) > 1
     for path in paths:
-        if is_remote(path) or os.path.lexists(path) or not any(c in path for c in _GLOB_CHARS):
+        if not store_for(path).local or os.path.lexists(path) or not any(c in path for c in _GLOB_CHARS):
             matches = [path]
         else:
             several = True
@@ -63,9 +66,9 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
             if not matches:
                 found.append((path, "no file or folder matches"))
         for match in matches:
-            if not is_remote(match) and is_run_directory(match):
+            if store_for(match).local and is_run_directory(match):
                 several = True
-                inside = [(u.path, None) for u in units(match)]
+                inside = [(e.path, None) for e in sorted(checkpoints(match), key=lambda e: e.path)]
                 found += inside or [(match, "a directory without checkpoints (no *.ckpt file or checkpoint "
                                             "folder)")]
             else:
@@ -73,10 +76,21 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
     return list(dict.fromkeys(found)), several
 
 
+def is_run_directory(path: str) -> bool:
+    """A local directory that is not itself a checkpoint (a committed or half-written checkpoint folder)."""
+    return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, FOLDER_COMMIT_NAME))
+            and not path.rstrip("/").endswith(CHECKPOINT_SUFFIX))
+
+
+def checkpoints(directory: str) -> list[Entry]:
+    """The committed and half-written checkpoints of ``directory``, as the registry lists them."""
+    return [e for e in scan(directory, store_for(directory)) if e.state is not State.FOREIGN]
+
+
 def _part_of_another(path: str) -> bool:
     """A ``.data`` companion whose checkpoint exists, a hidden temporary: parts of another unit, not one."""
     name = os.path.basename(path)
-    return name.startswith(".") or (name.endswith(".data") and os.path.exists(path[:-len(".data")]))
+    return name.startswith(".") or (name.endswith(DATA_SUFFIX) and os.path.exists(path[:-len(DATA_SUFFIX)]))
 
 
 # -- ls --------------------------------------------------------------------------------------------------------------
@@ -87,7 +101,7 @@ def ls(directory: str, as_json: bool, verify: bool) -> int:
         print(json.dumps({"ok": False, "error": message}) if as_json else f"error: {_shown(message)}",
               file=sys.stdout if as_json else sys.stderr)
         return 1
-    rows = [_row(u, verify) for u in units(directory)]
+    rows = [_row(e, verify) for e in checkpoints(directory)]
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["epoch"] or 0, r["link"] is not None, r["name"]))
     seen: set[tuple[int, int]] = set()
     for r in rows:
@@ -114,18 +128,27 @@ def ls(directory: str, as_json: bool, verify: bool) -> int:
     return 1 if invalid else 0
 
 
-def _row(unit: Unit, verify: bool) -> dict[str, Any]:
-    name = os.path.basename(unit.path)
-    row: dict[str, Any] = {"name": name, "path": unit.path, "kind": "folder" if unit.folder else "file",
-                           "step": None, "epoch": None, "monitor": None, "score": None, "best_model_path": None,
-                           "problem": None, "link": _link(unit.path), "files": unit.files()}
-    if not unit.committed:
-        row["problem"] = "half-written: a checkpoint folder without checkpoint.ort-meta (its save did not finish)"
-    elif unit.folder:
-        _folder_row(row, unit.path, verify)
+def _row(entry: Entry, verify: bool) -> dict[str, Any]:
+    folder = entry.kind is Kind.FOLDER
+    row: dict[str, Any] = {"name": os.path.basename(entry.path), "path": entry.path,
+                           "kind": "folder" if folder else "file", "step": entry.step, "epoch": entry.epoch,
+                           "monitor": None, "score": None, "best_model_path": None, "problem": entry.problem,
+                           "link": _link(entry.path), "files": _files(entry.path, folder)}
+    if entry.state is State.HALF:
+        row["problem"] = f"half-written: a checkpoint folder without {FOLDER_COMMIT_NAME} (its save did not finish)"
+    elif folder:
+        if verify and not row["problem"]:
+            _verify_folder(row, entry.path)
     else:
-        _file_row(row, unit.path, verify)
+        _file_row(row, entry.path, verify)
     return row
+
+
+def _files(path: str, folder: bool) -> list[str]:
+    """Every file of a checkpoint: the file and its ``.data``, or everything in the folder."""
+    if folder:
+        return sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    return [p for p in (path, path + DATA_SUFFIX) if os.path.exists(p)]
 
 
 def _file_row(row: dict[str, Any], path: str, verify: bool) -> None:
@@ -138,29 +161,20 @@ def _file_row(row: dict[str, Any], path: str, verify: bool) -> None:
         row["problem"] = str(e).removeprefix(f"{path}: ")
 
 
-def _folder_row(row: dict[str, Any], path: str, verify: bool) -> None:
-    """A sharded checkpoint: its metadata document checked (and every shard hashed with ``--verify``)."""
-    try:
-        from ._dcp_storage import read_metadata
-    except ModuleNotFoundError:  # torch wrote it, and reads it
-        row["problem"] = "not checked: a sharded checkpoint needs torch (pip install torch)"
-        return
-    try:
-        tree = read_metadata(path).get("tree")
-        if isinstance(tree, dict):
-            row["step"], row["epoch"] = _int(tree.get("global_step")), _int(tree.get("epoch"))
-        if verify:
-            from ._loading import single_file
+def _verify_folder(row: dict[str, Any], path: str) -> None:
+    """``--verify`` of a sharded checkpoint: every shard's tensors hashed, through its consolidated copy."""
+    from ._loading import single_file
 
-            with single_file(path) as single, CheckpointReader(single) as reader:
-                reader.verify()
+    try:
+        with single_file(path) as single, CheckpointReader(single) as reader:
+            reader.verify()
     except CheckpointError as e:
         row["problem"] = str(e)
 
 
 def _from_metadata(row: dict[str, Any], reader: CheckpointReader) -> None:
-    """Step, epoch, monitored score and the callback's best path, from the file's Lightning metadata (only plain
-    values; the score is a tensor of the file, read with its checksum checked)."""
+    """The monitored score and the callback's best path, from the file's Lightning metadata (only plain values; the
+    score is a tensor of the file, read with its checksum checked). The step and epoch are the registry's."""
     try:
         doc = json.loads(str(reader.properties.get(MANIFEST, "null")))
         values = doc["values"]
@@ -168,7 +182,6 @@ def _from_metadata(row: dict[str, Any], reader: CheckpointReader) -> None:
         return  # ORT wrote it: no Lightning metadata
     if not isinstance(values, dict):
         return
-    row["step"], row["epoch"] = _int(values.get("global_step")), _int(values.get("epoch"))
     callbacks = values.get("callbacks")
     for state in callbacks.values() if isinstance(callbacks, dict) else ():
         if isinstance(state, dict) and isinstance(state.get("monitor"), str):
@@ -186,10 +199,6 @@ def _tensor_value(reader: CheckpointReader, ref: Any) -> float | None:
         return None
     reader.verify_tensor(info)
     return float(reader.numpy(info))
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _link(path: str) -> str | None:

@@ -114,7 +114,7 @@ def _renumbered(tree: dict[str, Any]) -> tuple[dict[str, Any], ModuleInfo | None
             return tree, None  # torch's own index-keyed layout, or unknown: translated as it is
         index = {p: i for i, p in enumerate(params)}
         renumbered.append({**opt, "state": {index[k]: v for k, v in state.items()},
-                           "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in groups]})
+                           "param_groups": [{**g, "params": [index[p] for p in g["params"]]} for g in groups or []]})
         names.append(params)
     info = ModuleInfo(trainable={n for n in names[0] if n in state_dict} if names else set(), optimizer_params=names)
     return {**tree, "optimizer_states": renumbered}, info

@@ -52,7 +52,7 @@ from ._translation import values
 from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from .format import CheckpointContents, CheckpointReader, TensorInfo, save_checkpoint
 from .format._atomic import FOLDER_COMMIT_NAME
-from .format._store import StorageOptions, Store, is_remote, store_for
+from .format._store import StorageOptions, Store, store_for
 
 __all__ = ["METADATA_NAME", "OrtStorageReader", "OrtStorageWriter", "ShardFiles", "dtype_of", "flatten",
            "is_sharded_checkpoint", "load_sharded", "read_metadata", "save_flat", "save_sharded"]
@@ -72,7 +72,7 @@ def rank_metadata_name(rank: int) -> str:
 
 def join(path: str, name: str) -> str:
     """``name`` inside the directory ``path`` (a local path or a URL)."""
-    return path.rstrip("/") + "/" + name if is_remote(path) else os.path.join(path, name)
+    return store_for(path).join(path, name)
 
 
 def _fqn(path: tuple[str, ...]) -> str:

@@ -1,7 +1,8 @@
 """Export at the end of fit, as a callback of its own: the best checkpoint (else the last) of an ``OrtCheckpoint``
 becomes an ONNX model verified against ONNX Runtime (``lightning_ort_ckpt.export``).
 
-``ExportBest(to=...)`` is a callback users may add themselves; ``OrtCheckpoint(export_best_to=...)`` is the
+``ExportBest(to=...)`` (``lightning_ort_ckpt.ExportBest``, for ``pytorch_lightning``) is a callback users may add
+themselves; ``OrtCheckpoint(export_best_to=...)`` is the
 shortcut that adds one in its ``setup``. The layers: this module is in layer 4 (it imports ``export``) and the
 callback in layer 3 must not import it. So the shortcut is wired the other way round: importing this module hands
 ``OrtCheckpointMixin`` the factory it calls (:func:`_callback.use_exporter`), and the public entry points (the
@@ -16,6 +17,8 @@ import os
 import warnings
 from functools import cache
 from typing import Any
+
+from pytorch_lightning.callbacks import Callback
 
 from ._callback import OrtCheckpointMixin, use_exporter
 from ._namespaces import namespace_of
@@ -46,6 +49,8 @@ class ExportBestMixin:
         if not path:
             warnings.warn("export_best_to is set but no checkpoint was saved; nothing exported", CheckpointWarning)
             return
+        if isinstance(source, OrtCheckpointMixin):
+            source.checkpoint_io.wait()  # an asynchronous save: its file is durable first
         self.report = export_onnx(type(pl_module), path, self.to, tolerance=self.tolerance, reference=pl_module)
         namespace_of(trainer).attr("utilities.rank_zero_info")(f"OrtCheckpoint: {self.report}, checked against "
                                                                 "ONNX Runtime")
@@ -53,12 +58,18 @@ class ExportBestMixin:
 
 @cache
 def _callback_class(callback_base: type) -> type:
+    if callback_base is Callback:
+        return ExportBest
     return type("ExportBest", (ExportBestMixin, callback_base), {"__module__": __name__})
 
 
 def export_best(trainer: Any, to: str | os.PathLike[str], tolerance: float, source: OrtCheckpointMixin) -> Any:
-    """An ``ExportBest`` callback of ``trainer``'s copy of Lightning."""
+    """An ``ExportBest`` callback of ``trainer``'s copy of Lightning (``export_best_to=``'s factory)."""
     return _callback_class(namespace_of(trainer).attr("callbacks.Callback"))(to, tolerance, source)
 
 
 use_exporter(export_best)
+
+
+class ExportBest(ExportBestMixin, Callback):
+    """Export at the end of fit, for ``pytorch_lightning`` Trainers (see :class:`ExportBestMixin`)."""

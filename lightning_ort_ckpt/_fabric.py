@@ -54,9 +54,10 @@ class FabricSaves:
         outside a ``fabric.save`` (the plugin called directly)."""
         if self.pending is None:
             return None
-        modules, optimizers = ({k: v for k, v in objects.items() if k in state} for objects in self.pending)
+        modules = {k: v for k, v in self.pending[0].items() if k in state}
+        optimizers = {k: v for k, v in self.pending[1].items() if k in state}
         if len(modules) == 1:
-            (module,) = modules.values()
+            module: torch.nn.Module = next(iter(modules.values()))
             state_dict = state[next(iter(modules))]
         else:  # several modules: each under its key, as in a ModuleDict of them
             module = torch.nn.ModuleDict(modules)

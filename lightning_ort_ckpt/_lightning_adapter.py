@@ -25,6 +25,10 @@ Three kinds of use:
   checkpoint records. Every other ``ckpt_path`` goes to Lightning's function unchanged. The F2 fallback wraps one
   ``load_checkpoint`` of a strategy instance for one load (:func:`wrap_next_load`) and names the checkpoint it
   fell back to as the Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
+- **the setter** ``Strategy.checkpoint_io`` of Lightning's base strategy classes (Trainer's and Fabric's), wrapped
+  while an ``OrtCheckpointIO`` exists (:data:`CHECKPOINT_IO_ASSIGNMENT`): it tells the plugin which strategy it
+  serves; a Fabric strategy's ``save_checkpoint`` is wrapped per instance (:func:`wrap_fabric_save`), and a Trainer
+  unpickled in a spawned process is found from the calling frames (:func:`calling_strategy`);
 - **the loader wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
   ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
   content; every other file goes to Lightning's own function, unchanged. It is what lets
@@ -454,7 +458,7 @@ def calling_strategy(io: Any, depth: int = 4) -> Any:
     (bare or wrapped), found as the ``self`` of one of the ``depth`` calling frames above ``io``'s method; None for a call
     from anywhere else. For a plugin that never saw its strategy's ``checkpoint_io`` setter (the Trainer was
     unpickled in a spawned process)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from .format._store import StorageOptions, is_remote, store_for
+from .format._store import StorageOptions, store_for
 
 M = TypeVar("M")
 
@@ -31,9 +31,9 @@ M = TypeVar("M")
 def is_folder(path: str | os.PathLike[str]) -> bool:
     """A local directory, or a URL naming no file (perhaps a sharded checkpoint's folder)."""
     path = os.fspath(path)
-    if not is_remote(path):
-        return os.path.isdir(path)
     store = store_for(path)
+    if store.local:
+        return store.is_directory(path)
     return store.exists(path) and not store.read_head(path, 1)
 
 
@@ -74,6 +74,6 @@ def load_from_checkpoint(cls: type[M], path: str | os.PathLike[str], **kwargs: A
     enable_ort_loading()
     try:
         with single_file(path) as single:
-            return cls.load_from_checkpoint(single, **kwargs)  # type: ignore[attr-defined,no-any-return]
+            return cls.load_from_checkpoint(single, **kwargs)  # type: ignore[attr-defined]
     finally:
         disable_ort_loading()

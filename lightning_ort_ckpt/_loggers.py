@@ -28,7 +28,7 @@ from ._namespaces import namespace_of
 from .errors import CheckpointWarning
 from .format import data_path
 from .format._atomic import FOLDER_COMMIT_NAME
-from .format._store import is_remote
+from .format._store import store_for
 
 _SENT: weakref.WeakKeyDictionary[Any, dict[str, float]] = weakref.WeakKeyDictionary()
 """Per logger: the checkpoints whose other files we logged, with the modification time of the file then."""
@@ -68,7 +68,7 @@ def _is_mlflow(logger: Any) -> bool:
 def _logged(callback: Any) -> Iterator[str]:
     """The checkpoints a logger logs for ``callback``: its last, its best and its top k (local ones only)."""
     paths = {callback.last_model_path, callback.best_model_path, *callback.best_k_models}
-    yield from sorted(p for p in paths if p and not is_remote(p))
+    yield from sorted(p for p in paths if p and store_for(p).local)
 
 
 def _log_rest(logger: Any, callback: Any) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
@@ -45,8 +45,7 @@ from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
-from .errors import (CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning,
-                     CorruptCheckpointError)
+from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, save_checkpoint
 from .format._store import StorageOptions, Store, local_path, store_for, wait_for_cleanup
 from .format._writer import ExternalData
@@ -134,33 +133,35 @@ class OrtCheckpointIOMixin:
         self._raise_background_error()
         options = self._options(storage_options)
         path = local_path(path)
-        strategy = self._owner_strategy(checkpoint.get("state_dict"))
-        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
-        info = None
-        if fabric is not None:  # no random states: Fabric leaves them to the script
-            checkpoint, info = fabric
-        elif strategy is not None and strategy.lightning_module is not None:
-            info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
-            checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
-        else:
-            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
-                          "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "
-                          "all are saved as frozen, and optimizer state by index. ORT can load the file but not train "
-                          "from it; save through trainer.save_checkpoint (or fabric.save) for one it trains from.",
-                          CheckpointWarning, stacklevel=2)
-            checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
-        ck = to_ort(checkpoint, info, ort_compatible=self.ort_compatible)
-        # a sharded module's state was gathered into a copy: nothing to share with or defer to the live module
-        module = (strategy.lightning_module if info is not None and fabric is None and not _strategies.gathers(strategy)
-                  else None)
-        shares = (self.share_frozen and self.external_data == "auto" and module is not None
+        ck, strategy = self._contents(checkpoint, path)
+        module = strategy.lightning_module if strategy is not None else None
+        shares = (module is not None and self.share_frozen and self.external_data == "auto"
                   and store_for(path, options).links)
-        snap = self._sharing.snapshot(ck, path, module) if shares else None
+        snap = self._sharing.snapshot(ck, path, module) if shares and module is not None else None
         ck, keep = self._executor.own(
             ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
             module.state_dict(keep_vars=True).values() if module is not None else [], self.wait,
             snap.keep if snap is not None else frozenset())
         self._executor.run(self._write, ck, path, snap, options, keep)
+
+    def _contents(self, checkpoint: dict[str, Any], path: str) -> tuple[CheckpointContents, Any]:
+        """What is saved, as ORT contents, and the strategy whose live module holds its tensors (None for a gathered
+        copy of a sharded module, Fabric's state, or a module not known: nothing to share with or defer to)."""
+        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
+        if fabric is not None:  # no random states: Fabric leaves them to the script
+            return to_ort(fabric[0], fabric[1], ort_compatible=self.ort_compatible), None
+        strategy = self._owner_strategy(checkpoint.get("state_dict"))
+        checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
+        if strategy is None or strategy.lightning_module is None:
+            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
+                          "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "
+                          "all are saved as frozen, and optimizer state by index. ORT can load the file but not train "
+                          "from it; save through trainer.save_checkpoint (or fabric.save) for one it trains from.",
+                          CheckpointWarning, stacklevel=3)
+            return to_ort(checkpoint, None, ort_compatible=self.ort_compatible), None
+        info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
+        return (to_ort(checkpoint, info, ort_compatible=self.ort_compatible),
+                None if _strategies.gathers(strategy) else strategy)
 
     def _write(self, ck: CheckpointContents, path: str, snap: _sharing.Snapshot | None, options: StorageOptions,
                keep: Collection[str]) -> None:
@@ -202,25 +203,12 @@ class OrtCheckpointIOMixin:
         self._held = (path, found)
 
     def restore_random_states(self, trainer: Any) -> None:
-        """Restore the random states of the checkpoint this fit resumed from, where the uninterrupted run had them.
-
-        Called when training starts (``on_train_start``, by ``OrtCheckpoint`` or ``BindCheckpointIO``): Lightning
-        has built the data loaders by then, from the same random states as the uninterrupted run (a dataset drawn in
-        ``train_dataloader()`` is the same), and drawn the training iterator. A file saved inside its epoch resumes
-        inside it, where the uninterrupted run had drawn that iterator before the save; a file saved at the end of an
-        epoch resumes at the next, whose iterator the uninterrupted run drew after the save: it is drawn again, from
-        the restored states.
-        """
+        """Restore the random states of the checkpoint this fit resumed from, where the uninterrupted run had them:
+        called when training starts (``on_train_start``, by ``OrtCheckpoint``, ``BindCheckpointIO`` or
+        ``_train_start.RestoreRandomStates``; see :func:`_train_start.restore`)."""
         pending, self._resume_rng = self._resume_rng, None
-        if pending is None:
-            return
-        states, epoch, path = pending
-        try:
-            _rng.restore(states)
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-            raise CorruptCheckpointError(f"its saved random states are damaged ({e})", path) from None
-        if not _lightning_adapter.resumed_inside_epoch(trainer, epoch):
-            _lightning_adapter.restart_train_iterator(trainer)
+        if pending is not None:
+            _train_start.restore(*pending, trainer)
 
     # -- the directory ------------------------------------------------------------------------------------------
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -245,6 +233,11 @@ class OrtCheckpointIOMixin:
         target, linkpath = local_path(target), local_path(linkpath)
         self._executor.run(store_for(linkpath, self.storage_options).link_or_copy, target, linkpath)
 
+    def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` where this plugin's saves run (inline, or on the background queue with
+        ``async_save=True``), in order with the saves, deletions and links asked for before and after it."""
+        self._executor.run(fn, *args)
+
     # -- life cycle ---------------------------------------------------------------------------------------------
     def wait(self) -> None:
         """Block until background work is done; raise the first error it met."""
@@ -262,17 +255,10 @@ class OrtCheckpointIOMixin:
         if unwrap is not None:
             unwrap()
         wait_for_cleanup()
-        self._raise(next((e for e in errors if e is not None), None))
+        _raise(next((e for e in errors if e is not None), None))
 
     def _raise_background_error(self) -> None:
-        self._raise(self._executor.take_error())
-
-    @staticmethod
-    def _raise(error: BaseException | None) -> None:
-        if error is not None:
-            if isinstance(error, CheckpointSaveError):
-                raise error
-            raise CheckpointSaveError(f"a background checkpoint task failed: {error}") from error
+        _raise(self._executor.take_error())
 
     def _owner_strategy(self, state_dict: dict[str, Any] | None = None) -> Any:
         """The strategy this plugin is bound to, while it still uses this plugin (and, given the ``state_dict``
@@ -318,6 +304,13 @@ class OrtCheckpointIOMixin:
         if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
             return None
         return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        if isinstance(error, CheckpointSaveError):
+            raise error
+        raise CheckpointSaveError(f"a background checkpoint task failed: {error}") from error
 
 
 def _remove(store: Store, path: str) -> None:

@@ -75,7 +75,7 @@ def agree(trainer: Any, dirpath: str | None, store: Store, writing: bool, mine: 
             f'ckpt_path="last": global rank 0 resolved it to {(last and last.path) or "no checkpoint"} in '
             f"dirpath {dirpath!r}, but global rank(s) {', '.join(map(str, astray))} found another{this} and "
             "cannot load rank 0's: is dirpath a directory every node shares?")
-    return last  # type: ignore[no-any-return]
+    return last
 
 
 def all_ranks(trainer: Any) -> Callable[[bool], bool]:

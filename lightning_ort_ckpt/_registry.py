@@ -23,6 +23,7 @@ from enum import Enum
 from .errors import CheckpointError
 from .format import open_checkpoint
 from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
+from .format._schema import FILE_IDENTIFIER
 from .format._store import StorageOptions, Store
 
 
@@ -107,7 +108,7 @@ def _file(store: Store, path: str) -> Entry:
     """A checkpoint file; its step read from its Lightning metadata where the file is local (parsed, no tensor
     read: a file that does not parse is committed with its ``problem``); a torch file's is not unpickled."""
     step = epoch = problem = None
-    if store.local and store.read_head(path, 8)[4:8] == b"ODTC":
+    if store.local and store.read_head(path, 8)[4:8] == FILE_IDENTIFIER:
         from ._translation import MANIFEST
 
         try:

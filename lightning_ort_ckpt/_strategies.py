@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 Plugin = Any
 """An ``OrtCheckpointIO`` (layer 3: not imported here): ``storage_options``, ``async_save``, ``_options``, ``wait``,
-``_run_later``, ``load_checkpoint`` and ``loaded`` are what this module uses of it."""
+``run_in_order``, ``load_checkpoint`` and ``loaded`` are what this module uses of it."""
 
 SUPPORTED = ("DDPStrategy (and every strategy that saves through the CheckpointIO), ModelParallelStrategy, "
              "FSDPStrategy(state_dict_type='sharded' or 'full')")
@@ -155,7 +155,7 @@ def save_sharded_checkpoint(strategy: Any, plugin: Plugin, checkpoint: dict[str,
     if stager is None:
         save_flat(tree, flat, path, storage_options=options)
     else:
-        plugin._run_later(_write_later, tree, stager.stage(flat), path, options, stager.group())
+        plugin.run_in_order(_write_later, tree, stager.stage(flat), path, options, stager.group())
 
 
 def _write_later(tree: Any, flat: dict[str, Any], path: str, options: Any, group: Any) -> None:

@@ -13,7 +13,9 @@ import functools
 import weakref
 from typing import Any, Protocol
 
+from . import _lightning_adapter, _rng
 from ._namespaces import namespace_of
+from .errors import CorruptCheckpointError
 
 
 class Restorer(Protocol):
@@ -42,3 +44,20 @@ def restore_at_train_start(trainer: Any, plugin: Restorer) -> None:
     """Give ``trainer`` the callback that has ``plugin`` restore the random states when training starts (once)."""
     if not any(isinstance(c, RestoreRandomStates) for c in trainer.callbacks):
         trainer.callbacks.append(_callback_class(namespace_of(trainer).attr("callbacks.Callback"))(plugin))
+
+
+def restore(states: Any, epoch: Any, path: str, trainer: Any) -> None:
+    """Restore the random ``states`` a fit resumed from (the file ``path``, saved in ``epoch``) as training starts.
+
+    Lightning has built the data loaders by then, from the same random states as the uninterrupted run (a dataset
+    drawn in ``train_dataloader()`` is the same), and drawn the training iterator. A file saved inside its epoch
+    resumes inside it, where the uninterrupted run had drawn that iterator before the save; a file saved at the end
+    of an epoch resumes at the next, whose iterator the uninterrupted run drew after the save: it is drawn again,
+    from the restored states.
+    """
+    try:
+        _rng.restore(states)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        raise CorruptCheckpointError(f"its saved random states are damaged ({e})", path) from None
+    if not _lightning_adapter.resumed_inside_epoch(trainer, epoch):
+        _lightning_adapter.restart_train_iterator(trainer)

@@ -155,7 +155,8 @@ def _make_training_artifacts(model: Any, checkpoint: str, directory: str | os.Pa
                                          artifact_directory=directory)
     except RuntimeError as e:
         raise _gradient_error(e, checkpoint) from e
-    out = TrainingArtifacts(directory, *(os.path.join(directory, f) for f in _FILES), trainable, frozen)
+    training, evaluation, optimizer_model, start = (os.path.join(directory, f) for f in _FILES)
+    out = TrainingArtifacts(directory, training, evaluation, optimizer_model, start, trainable, frozen)
     try:
         _replace_eval_forward(out.eval_model, eval_forward, len(graph.graph.node), checkpoint)
         for path in (out.training_model, out.eval_model, out.optimizer_model):
@@ -173,7 +174,9 @@ def _make_training_artifacts(model: Any, checkpoint: str, directory: str | os.Pa
 def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn.Module:
     if isinstance(model, type):
         with serving(checkpoint, state):  # what was read: the file is not read again
-            return model.load_from_checkpoint(checkpoint, map_location="cpu")
+            loaded: torch.nn.Module = model.load_from_checkpoint(  # type: ignore[attr-defined]  # a LightningModule class
+                checkpoint, map_location="cpu")
+            return loaded
     model.load_state_dict(with_aliases(state["state_dict"], model))
     return model
 

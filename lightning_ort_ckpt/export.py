@@ -27,7 +27,7 @@ from . import _rng
 from .errors import CheckpointError
 from ._reading import read_weights, serving
 from .format import _atomic
-from .format._store import is_remote
+from .format._store import store_for
 from ._translation.lightning_dict import aliases_of, with_aliases
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
@@ -103,7 +103,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     if reference is not None:
         _check_is_reference(module, reference, args, expected, tolerance, hparams, hparams_name, checkpoint)
     output_names = output_names or default_names("output", len(expected))
-    source = checkpoint if is_remote(checkpoint) else os.path.abspath(checkpoint)
+    source = store_for(checkpoint).absolute(checkpoint)
     metadata = {"lightning_ort_ckpt.source_checkpoint": source,
                 "lightning_ort_ckpt.global_step": "" if global_step is None else str(global_step),
                 "lightning_ort_ckpt.monitor": monitor or "", "lightning_ort_ckpt.score": "" if score is None else repr(score)}
@@ -157,7 +157,7 @@ def check_export_config(module: Any, tolerance: Any, *, trial_export: bool = Tru
 
 
 def _init_params(cls: type) -> list[inspect.Parameter]:
-    return [p for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return [p for p in inspect.signature(cls).parameters.values()
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 

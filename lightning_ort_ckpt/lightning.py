@@ -18,7 +18,7 @@ class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):
     """``CheckpointIO`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see ``OrtCheckpointIOMixin``)."""
 
 
-class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):
+class OrtCheckpoint(OrtCheckpointMixin, ModelCheckpoint):  # type: ignore[misc]  # (type checkers see both copies)
     """Lightning's ``ModelCheckpoint`` writing ORT checkpoints, for ``lightning.pytorch`` Trainers (see
     ``OrtCheckpointMixin``)."""
 

@@ -187,7 +187,7 @@ def test_a_sharded_folder_with_damaged_metadata_is_named(tmp_path: Path) -> None
         assert str(folder / METADATA_NAME) in out.stderr and "damaged metadata" in out.stderr
         assert "directory, not a file" not in out.stderr
     out = cli("ls", tmp_path)
-    assert "damaged metadata" in out.stdout and out.returncode == 1
+    assert f"{METADATA_NAME} is damaged" in out.stdout and out.returncode == 1
 
 
 def test_consolidate_and_export_speak_json(tmp_path: Path) -> None:

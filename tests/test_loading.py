@@ -1,6 +1,6 @@
 """Loading outside a Trainer (issue 33, point 3): one line in a fresh script
-(``lightning_ort_ckpt.load_from_checkpoint`` and the torch-style ``lightning_ort_ckpt.load``), and ``Trainer.validate/test/predict(ckpt_path=...)`` whenever the
-Trainer has our callback or plugin."""
+(``lightning_ort_ckpt.load_from_checkpoint`` and the torch-style ``lightning_ort_ckpt.load``), and
+``Trainer.validate/test/predict(ckpt_path=...)`` whenever the Trainer has our callback or plugin."""
 
 from __future__ import annotations
 
@@ -138,3 +138,18 @@ def test_validate_test_predict_read_our_checkpoint(trained: Path, setup: str) ->
         assert model.seen and set(model.seen) == {stage}
         with open_checkpoint(trained) as reader:
             assert torch.equal(model.head.weight, reader.get_tensor("head.weight"))
+
+
+def test_load_reads_a_sharded_checkpoint_folder(tmp_path: Path) -> None:
+    from lightning_ort_ckpt import load
+    from lightning_ort_ckpt._dcp_storage import METADATA_NAME, save_sharded
+    from lightning_ort_ckpt.errors import CorruptCheckpointError
+
+    folder = tmp_path / "epoch=0-step=3.ckpt"
+    weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    save_sharded({"state_dict": {"layer.weight": weight}, "global_step": 3, "epoch": 0}, str(folder))
+    checkpoint = load(folder)
+    assert checkpoint["global_step"] == 3 and torch.equal(checkpoint["state_dict"]["layer.weight"], weight)
+    (folder / METADATA_NAME).write_text("{")
+    with pytest.raises(CorruptCheckpointError, match=METADATA_NAME):
+        load(folder)

@@ -364,3 +364,22 @@ def test_a_folder_a_killed_process_left_hidden_is_swept_by_the_next_save(tmp_pat
 def test_stores_delete_the_metadata_file_of_a_folder_first() -> None:
     """The stores know the file that commits a checkpoint folder (the format layer cannot import its owner)."""
     assert _atomic.FOLDER_COMMIT_NAME == METADATA_NAME
+
+
+def test_lightnings_last_resolution_takes_a_committed_folder_on_memory(tmp_path: Path) -> None:
+    """F1 on ``memory://`` (one process: a memory file system is per process): Lightning's own rule asks the file
+    system for each candidate's modification time, which a folder there does not have; while an OrtCheckpoint
+    exists, Lightning's resolution of "last" is the callback's, and takes the committed folder, not the half one."""
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    dirpath = _dirpath(tmp_path, "memory")
+    folder = _folder(dirpath, "epoch=0-step=4.ckpt", committed=True)
+    _folder(dirpath, "epoch=0-step=6.ckpt", committed=False)
+    fs, root = fsspec.core.url_to_fs(folder)
+    with pytest.raises(OSError):
+        fs.modified(root)  # what Lightning's rule would ask
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[OrtCheckpoint(dirpath)])
+    with pytest.warns(CheckpointWarning, match=r"epoch=0-step=6\.ckpt: checkpoint folder\(s\) without"):
+        found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
+                                                               model_connected=True)
+    assert found == folder

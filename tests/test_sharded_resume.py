@@ -11,8 +11,9 @@ One launch, four fits in the same two processes (each rank records what it saw):
 * F2, in a local directory: fit 3 saves folders at steps 2 and 4, then rank 0 flips one byte of a tensor in a shard
   of the step-4 folder; fit 4 resumes with "last": the load fails on the checksum, every rank falls back together
   to the step-2 folder (one collective), warning with the damaged shard file and tensor, and ``trainer.ckpt_path``
-  names the step-2 folder. Fit 4 saved steps 4 (as ``-v1``: the damaged folder keeps its name) and 6; rank 0 deletes a shard file of the step-6
-  folder, and fit 5 falls back from it (the missing shard named) to the step-4 save.
+  names the step-2 folder. Fit 4 saved steps 4 (as ``-v1``: the damaged folder keeps its name) and 6; rank 0
+  deletes a shard file of the step-6 folder, and fit 5 falls back from it (the missing shard named) to the step-4
+  save.
 """
 
 from __future__ import annotations

@@ -170,9 +170,10 @@ def _name_part(key: str) -> str:
 
 def _optimizer_to_ort(index: int, opt_state: dict[str, Any], info: ModuleInfo | None, out: CheckpointContents,
                       store: Any, extra: values.TensorSink) -> dict[str, Any]:
-    known = info is not None and index < len(info.optimizer_params) and all(info.optimizer_params[index])
+    params = info.optimizer_params if info is not None else []
+    known = index < len(params) and all(params[index])
     order = [i for g in opt_state.get("param_groups", []) for i in g.get("params", [])]
-    names = info.optimizer_params[index] if known else [f"param{i}" for i in order]
+    names = params[index] if known else [f"param{i}" for i in order]
     by_index = dict(zip(order, names)) if len(names) == len(order) else {}
     group = optimizers.group_name(index, opt_state, known and bool(by_index))
     ort = out.optimizer_groups[group] = OptimizerGroup(step=optimizers.common_step(opt_state),
@@ -184,7 +185,7 @@ def _optimizer_to_ort(index: int, opt_state: dict[str, Any], info: ModuleInfo | 
             param, momentum = by_index[int(path[1])], optimizers.momentum_name(path[2], group)
             ort.states.setdefault(param, {})[momentum] = store(tensor, f"{group}/{param}/{momentum}")
             return [group, param, momentum]
-        return extra((f"optimizer_states", str(index), *path), tensor)
+        return extra(("optimizer_states", str(index), *path), tensor)
 
     encoded = values.encode(_state_with_str_keys(opt_state), sink)
     return {"group": group, "params": names, "ort_step": ort.step, "state_dict": encoded}
@@ -202,7 +203,10 @@ def from_ort(ck: CheckpointContents, path: str, *, optimizer_states: bool = True
     the module's tensors). For a file that ORT alone wrote (no manifest) see :func:`plain_ort_to_lightning`.
     """
     try:
-        manifest = json.loads(ck.properties[MANIFEST])
+        text = ck.properties[MANIFEST]
+        if not isinstance(text, str):
+            raise TypeError(f"its {MANIFEST} property is a number, not JSON text")
+        manifest = json.loads(text)
         if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
             raise ValueError("not a lightning-ort-ckpt manifest")
         if manifest["version"] > VERSION:

@@ -40,7 +40,8 @@ def momentum_name(state_key: str, group: str) -> str:
 def common_step(state_dict: dict[str, Any]) -> int:
     """The step shared by all parameters (ORT's group ``step``), or 0 when they differ or there is none."""
     steps = {_as_int(s.get("step")) for s in state_dict.get("state", {}).values()}
-    return steps.pop() if len(steps) == 1 and None not in steps else 0
+    step = steps.pop() if len(steps) == 1 else None
+    return step if step is not None else 0
 
 
 def initial_learning_rate(state_dict: dict[str, Any]) -> float:

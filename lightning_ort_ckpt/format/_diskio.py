@@ -198,7 +198,7 @@ def read_range(fd: int, start: int, size: int, path: str) -> np.ndarray:
     head = start % _DIRECT_ALIGN if direct else 0
     out = fresh_memory(_whole_blocks(head + size) if direct else size)  # direct reads fill whole blocks
     base = start - head  # the file offset of out[0]
-    view = memoryview(out)
+    view = out.data  # (the array is contiguous: its buffer as a memoryview)
     if not direct and not portable and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, start, size, os.POSIX_FADV_SEQUENTIAL)
     pos, stop = start, start + size

@@ -25,7 +25,7 @@ def bounded_s3(attempts: int) -> Any:
     so no instance of s3fs's is changed (fsspec's cache keys hold the class), in s3fs's cache of instances."""
     from s3fs import S3FileSystem
 
-    class BoundedS3FileSystem(S3FileSystem):  # type: ignore[misc]
+    class BoundedS3FileSystem(S3FileSystem):
         retries = attempts
 
     BoundedS3FileSystem._cache = S3FileSystem._cache

@@ -146,10 +146,6 @@ class FsspecStore:
         fs.invalidate_cache(posixpath.dirname(where))
         return bool(fs.isdir(where))
 
-    def size(self, path: str) -> int:
-        fs, where = self._fs(path)
-        return int(fs.size(where))
-
     def join(self, directory: str, name: str) -> str:
         return directory.rstrip("/") + "/" + name
 
@@ -220,12 +216,6 @@ class FsspecStore:
 
     def link_target(self, path: str) -> str | None:
         return None
-
-    def join(self, directory: str, name: str) -> str:
-        return f"{directory.rstrip('/')}/{name}"
-
-    def absolute(self, path: str) -> str:
-        return path
 
     def size(self, path: str) -> int:
         fs, where = self._fs(path)

@@ -126,8 +126,10 @@ class CheckpointIndex:
             self.nominal = bool(p.scalar(ms, ModuleStateSlot.IS_NOMINAL_STATE, "?", False))
             self.has_external_data = bool(p.scalar(ms, ModuleStateSlot.HAS_EXTERNAL_DATA, "?", False))
             seen: set[str] = set()
-            for slot, kind, target in ((ModuleStateSlot.REQUIRES_GRAD_PARAMS, "trainable", self.trainable),
-                                       (ModuleStateSlot.FROZEN_PARAMS, "frozen", self.frozen)):
+            slots: tuple[tuple[int, Kind, dict[str, TensorInfo]], ...] = (
+                (ModuleStateSlot.REQUIRES_GRAD_PARAMS, "trainable", self.trainable),
+                (ModuleStateSlot.FROZEN_PARAMS, "frozen", self.frozen))
+            for slot, kind, target in slots:
                 for i, pos in enumerate(p.table_vector(ms, slot, f"module_state.{kind}")):
                     info = self._tensor(p, pos, kind, f"{kind} parameter #{i}")
                     if info.name in seen:

@@ -73,9 +73,6 @@ class LocalStore:
     def is_directory(self, path: str) -> bool:
         return os.path.isdir(path)
 
-    def size(self, path: str) -> int:
-        return os.path.getsize(path)
-
     def join(self, directory: str, name: str) -> str:
         return os.path.join(directory, name)
 
@@ -116,12 +113,6 @@ class LocalStore:
         if not os.path.islink(path):
             return None
         return os.path.join(os.path.dirname(path), os.readlink(path))
-
-    def join(self, directory: str, name: str) -> str:
-        return os.path.join(directory, name)
-
-    def absolute(self, path: str) -> str:
-        return os.path.abspath(path)
 
     def size(self, path: str) -> int:
         files = [path, _atomic.data_path(path)] if not os.path.isdir(path) else self._listed(path, True, False)

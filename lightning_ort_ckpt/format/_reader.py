@@ -153,7 +153,7 @@ class CheckpointReader:
         if out is None:
             own = read_range(fd, info.offset, info.nbytes, path) if info.nbytes else np.empty(0, np.uint8)
         else:
-            own, view, pos = out, memoryview(out).cast("B"), 0
+            own, view, pos = out, out.data.cast("B"), 0
             if len(view) != info.nbytes:
                 raise ValueError(f"{info.name!r} has {info.nbytes} bytes, not {len(view)}")
             while pos < info.nbytes:

@@ -73,10 +73,6 @@ class Store(Protocol):
         """Whether ``path`` is a folder (a sharded checkpoint is one)."""
         ...
 
-    def size(self, path: str) -> int:
-        """The size of the file ``path`` in bytes (``OSError`` when there is none)."""
-        ...
-
     def modified(self, path: str) -> float:
         """Last modification time (seconds since the epoch); ``-inf`` when unknown."""
         ...
@@ -111,14 +107,6 @@ class Store(Protocol):
 
     def link_target(self, path: str) -> str | None:
         """Where the link ``path`` points (a path), or None when it is no link."""
-        ...
-
-    def join(self, directory: str, name: str) -> str:
-        """``name`` inside ``directory``, spelled as the store spells its paths."""
-        ...
-
-    def absolute(self, path: str) -> str:
-        """One spelling per file, to compare paths (a local path made absolute; a URL as it is)."""
         ...
 
     def size(self, path: str) -> int:

@@ -270,13 +270,13 @@ def _byte_chunks(tensor: Any, scratch: Callable[[], np.ndarray]) -> Iterator[tup
     if array.size == 0:
         return
     if array.flags.c_contiguous and array.dtype == out:
-        yield memoryview(array.reshape(-1).view(np.uint8)), False
+        yield array.reshape(-1).view(np.uint8).data, False
         return
     buf = scratch()
     for part in _parts(array, out.itemsize):
         dst = buf[:part.size * out.itemsize]
         np.copyto(dst.view(out).reshape(part.shape), part)
-        yield memoryview(dst), True
+        yield dst.data, True
 
 
 def _torch_chunks(tensor: Any, stored: DataType | None,
@@ -288,13 +288,13 @@ def _torch_chunks(tensor: Any, stored: DataType | None,
         return
     out = stored.to_torch() if stored is not None else t.dtype
     if t.device.type == "cpu" and t.is_contiguous() and t.dtype == out and not (t.is_conj() or t.is_neg()):
-        yield memoryview(t.reshape(-1).view(torch.uint8).numpy()), False
+        yield t.reshape(-1).view(torch.uint8).numpy().data, False
         return
     buf = torch.from_numpy(scratch())
     for part in _parts(t, out.itemsize):
         dst = buf[:part.numel() * out.itemsize]
         dst.view(out).view(part.shape).copy_(part)  # converts the type, gathers strides, resolves conj/neg views
-        yield memoryview(dst.numpy()), True
+        yield dst.numpy().data, True
 
 
 def _parts(t: Any, itemsize: int) -> Iterator[Any]:
@@ -471,6 +471,8 @@ class _Planner:
         for name in _sorted(properties):
             value = properties[name]
             name_off = b.string(self._name(name, "property"))
+            value_off: int | None
+            kind: type
             if isinstance(value, _checksums.Template):  # filled in once every tensor is written
                 value_off = b.string_blob(Blob(_RECORD, len(value.text)))
                 value = value.text
