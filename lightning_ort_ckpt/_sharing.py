@@ -19,9 +19,11 @@ goes unseen and the file keeps the old bytes.
 
 No single point of failure: the saves of a directory keep two independent ``.data`` files of the frozen tensors and
 alternate between them, and a file is read back against its checksums before it is linked when it may have changed
-(:class:`FrozenSharing`); one damaged file costs only the checkpoints that link to it. Retention does not undo that:
-where it deletes the last checkpoint of one copy while kept checkpoints link the other, the copy stays under a hidden
-reserve name until two copies are named by checkpoints again (:meth:`FrozenSharing.before_remove`).
+(:class:`FrozenSharing`); one damaged file costs no checkpoint: readers take its tensors from the other copy
+(``format._shared_data.OtherCopies``), and the save that finds it repairs the checkpoints linking it (a fresh copy
+from good bytes, relinked: ``_frozen_copies``, which tracks the copies this module chooses between). Retention does
+not undo that: where it deletes the last checkpoint of one copy while kept checkpoints link the other, the copy stays
+under a hidden reserve name until two copies are named by checkpoints again (:meth:`FrozenSharing.before_remove`).
 
 Off the save path: the second copy, the renewal of a copy, and the periodic read-backs are done by one worker thread
 of the :class:`FrozenSharing` (started on first need, stopped by :meth:`FrozenSharing.close` at the plugin's
@@ -178,8 +180,9 @@ class FrozenSharing:
     def save(self, ck: CheckpointContents, path: str, snap: Snapshot, external_data: ExternalData,
              kept: Collection[str] = (), store: Store | None = None) -> None:
         """Write ``ck`` to ``path`` through ``store`` (one that ``links``; by default the path's own) sharing what a
-        copy of the directory holds unchanged, and remember what this save holds. ``kept``: frozen parameters of ``ck`` that are the live ones, not staged copies (an asynchronous
-        save); those this save writes after all are copied first, and must not have changed since the call."""
+        copy of the directory holds unchanged, and remember what this save holds. ``kept``: frozen parameters of
+        ``ck`` that are the live ones, not staged copies (an asynchronous save); those this save writes after all
+        are copied first, and must not have changed since the call."""
         # a failed save leaves none: the next ones start fresh (adopting the reserves it left)
         copies = self._copies.pop(snap.directory, None) or _frozen_copies.orphans(snap.directory)
         count = self._saves[snap.directory] = self._saves.get(snap.directory, 0) + 1

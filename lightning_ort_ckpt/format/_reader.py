@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -65,7 +66,8 @@ class CheckpointReader:
         self._own: dict[int, np.ndarray] = {}  # tensor bytes read by load(), each in memory of its own
         self._healed: dict[int, np.ndarray] = {}  # tensor bytes read from another copy, kept for the reader's life
         self.healed = []
-        self._others: OtherCopies | None = None
+        self._healing = threading.Lock()
+        self._others = OtherCopies(self.path)  # opened only where a tensor needs another copy
         self._files = CheckpointFiles(self.path)
         try:
             self._index = index = self._files.index(short_ok=heal)
@@ -250,8 +252,7 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._files.close()
-        if self._others is not None:
-            self._others.close()
+        self._others.close()
 
     def _heal(self, info: TensorInfo) -> bool:
         """Read frozen tensor ``info``, damaged in this checkpoint's ``.data``, from another copy where its bytes
@@ -260,14 +261,14 @@ class CheckpointReader:
         digest = self._checks.digest(info)
         if info.kind != "frozen" or info.storage != "external" or digest is None:
             return False
-        if self._others is None:
-            self._others = OtherCopies(self.path)
         found = self._others.read(info.name, Slot(info.offset, info.nbytes, int(info.dtype), info.shape, digest))
         if found is None:
             return False
-        self._healed[id(info)] = np.frombuffer(found[0], dtype=np.uint8)
-        self.healed.append((info.name, found[1]))
-        if len(self.healed) == 1:
+        with self._healing:
+            self._healed[id(info)] = np.frombuffer(found[0], dtype=np.uint8)
+            self.healed.append((info.name, found[1]))
+            first = len(self.healed) == 1
+        if first:
             warnings.warn(f"{self.data_path}: frozen tensor {info.name!r} is damaged in this shared .data; it was read "
                           f"from the other copy {found[1]} instead, whose bytes match the checksum recorded at save "
                           f"time (other damaged tensors of it too). `ort-ckpt verify --repair {self.path}` makes the "

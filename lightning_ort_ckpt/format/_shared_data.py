@@ -16,8 +16,12 @@ and found by :func:`verify_data` before anything links to the file again; :func:
 independent copies (new blocks, never a clone, read back before use); :func:`damage_note` names the checkpoints one
 damaged file takes with it (docs/format.md).
 
-This module says what a save shares (:class:`SharedFrozen`) and what it wrote (:class:`SavedData`); deciding which
-tensors are unchanged is the caller's (``lightning_ort_ckpt._sharing``); planning and streaming are the writer's.
+The writer's side and the reader's side of a shared ``.data`` live here together. A save is told what it shares
+(:class:`SharedFrozen`, decided once by the caller, ``lightning_ort_ckpt._sharing``: which tensors, linked from
+which copy); the writer plans and streams, and :func:`carried_out` confirms the linked bytes and says what the save
+put there (:class:`SavedData`). A read whose checksum fails on a frozen tensor takes its bytes from another copy
+(:class:`OtherCopies`, used by the reader), and :func:`repair` writes a fresh copy from good bytes and relinks the
+checkpoints that pointed at a damaged one (the save that finds damage, ``ort-ckpt verify --repair``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -68,6 +73,11 @@ class SharedFrozen:
         """The tensors ``names``, written to a fresh ``.data``."""
         return cls({n: -1 for n in names})
 
+    def rehash(self, name: str, key: str | None) -> bool:
+        """Whether the writer hashes the linked tensor ``name`` (checksum key ``key``) again: unless the caller
+        trusts it and its digest was recorded."""
+        return name not in self.trusted or key not in self.digests
+
 
 @dataclass(frozen=True)
 class SavedData:
@@ -92,6 +102,32 @@ class NotShared(CheckpointSaveError):
                else "the shared .data file cannot be linked here")
         super().__init__(why, path)
         self.names = names
+
+
+def carried_out(shared: SharedFrozen, linked: list[tuple[str, str | None, bool]], digests: dict[str, int],
+                is_link: bool, data: int | None, offsets: dict[str, int],
+                layout: dict[str, tuple[int, tuple[int, ...], int]], path: str) -> SavedData:
+    """The end of a sharing save, before its commit: the linked tensors (name, checksum key, whether the writer hashed
+    them again) confirmed to hold the linked bytes, :class:`NotShared` where one does not (unless it changed only
+    after the save was asked for); ``digests`` (the hashes just computed) get the recorded ones of the linked tensors;
+    a fresh ``.data`` (the open file ``data``) made read-only; and what the save put there."""
+    changed = []
+    for name, key, hashed in linked:
+        if key not in digests:
+            continue
+        if hashed and digests[key] != shared.digests.get(key) and (
+                shared.changed_since_asked is None or not shared.changed_since_asked(name)):
+            changed.append(name)
+        digests[key] = shared.digests.get(key, digests[key])
+    if changed:
+        raise NotShared(path, changed)
+    if data is not None:
+        with contextlib.suppress(OSError, NotImplementedError, AttributeError):
+            os.fchmod(data, 0o444)  # never written again: see the module's doc
+    inode = shared.identity if is_link else identity(os.fstat(data))  # type: ignore[arg-type]
+    keys = [_checksums.param_key(n) for n in offsets]
+    return SavedData(is_link, inode, offsets, {k: digests[k] for k in keys if k in digests},  # type: ignore[arg-type]
+                     layout)
 
 
 def identity(st: os.stat_result) -> Identity:
@@ -320,8 +356,8 @@ def damage_note(path: str, error: str) -> str:
     if len(sharing) < 2:
         return ""
     return (f"{data} is a shared .data (hard links): the {len(sharing)} checkpoints sharing it are damaged with it: "
-            f"{', '.join(os.path.basename(p) for p in sharing)} (`ort-ckpt verify --repair` rewrites it from the other copy "
-            "where that one holds the damaged tensors intact)")
+            f"{', '.join(os.path.basename(p) for p in sharing)} (`ort-ckpt verify --repair` rewrites it from the "
+            "other copy where that one holds the damaged tensors intact)")
 
 
 # -- healing: reading a damaged shared .data's tensors from the other copy, and repairing it -----------------------
@@ -378,16 +414,19 @@ class OtherCopies:
     and whose own index and checksum record hold the tensor with the very checksum ``path`` records for it, then the
     reserve names ``_sharing`` keeps of a copy no checkpoint names (read at the tensor's own offset: a reserve is a
     byte copy). A peer's bytes are taken only when they hash to the recorded checksum. Peers are opened on first
-    need and read with ``pread`` (nothing mapped)."""
+    need (once, under a lock: a reader verifies on two threads) and read with ``pread`` (nothing mapped)."""
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
         self._peers: list[_Peer] | None = None
+        self._opening = threading.Lock()
 
     def read(self, name: str, slot: Slot) -> tuple[bytearray, str] | None:
         """The bytes of tensor ``name`` (as ``slot`` says it lies in ``path``'s ``.data``) from the first other copy
         that holds them intact, and that copy's path; None where none does."""
-        for peer in self._open():
+        with self._opening:
+            peers = self._open()
+        for peer in peers:
             where = slot if peer.slots is None else peer.slots.get(name)
             if where is None or where.digest != slot.digest or where.nbytes != slot.nbytes:
                 continue
@@ -397,15 +436,16 @@ class OtherCopies:
         return None
 
     def close(self) -> None:
-        for peer in self._peers or ():
-            with contextlib.suppress(OSError):
-                os.close(peer.fd)
-        self._peers = []
+        with self._opening:
+            for peer in self._peers or ():
+                with contextlib.suppress(OSError):
+                    os.close(peer.fd)
+            self._peers = []
 
     def _open(self) -> list[_Peer]:
         if self._peers is not None:
             return self._peers
-        self._peers = []
+        peers: list[_Peer] = []
         directory = os.path.dirname(self.path)
         suffix = os.path.splitext(self.path)[1] or ".ckpt"
         seen = {_inode(self.path + ".data")}
@@ -424,8 +464,9 @@ class OtherCopies:
             with contextlib.suppress(OSError):
                 fd = os.open(data, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
                 seen.add(inode)
-                self._peers.append(_Peer(data, fd, slots))
-        return self._peers
+                peers.append(_Peer(data, fd, slots))
+        self._peers = peers
+        return peers
 
 
 def _inode(path: str) -> tuple[int, int] | None:
