@@ -35,7 +35,7 @@ from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared
 from ort_reference import assert_same_tensor, ort_api
 from test_frozen_sharing import ENTRY, checkpoints, fit, inode, second_copy_at_once  # noqa: F401 (autouse)
-from test_sharing_redundancy import StartStep, flip, frozen_module
+from test_sharing_redundancy import StartStep, flip, frozen_module, record_read_backs
 
 FIRST, SECOND = "backbone.2.weight", "backbone.4.weight"  # the two shared frozen tensors
 
@@ -231,6 +231,7 @@ def test_damage_found_by_the_background_read_back_is_repaired(tmp_path: Path,
     """Same size and mtime, and a link count moved with the change time: only a read-back finds it; the save that
     takes it writes a fresh copy from the other copy's bytes and relinks the checkpoints of the damaged one."""
     monkeypatch.setattr(sharing, "VERIFY_EVERY", 4)
+    read_backs = record_read_backs(monkeypatch)
     sh, module = sharing.FrozenSharing(), frozen_module()
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 13)]
 
@@ -254,6 +255,7 @@ def test_damage_found_by_the_background_read_back_is_repaired(tmp_path: Path,
     sh.close()
     atomic.wait_for_cleanup()
     assert found is not None
+    assert any(t.startswith("ort-ckpt-frozen-copies") for t, _ in read_backs)  # read back on the worker thread
     for p in paths:
         with CheckpointReader(p, heal=False) as r:  # every one whole in its own files
             assert torch.equal(r.load().frozen["weight"], module.weight)

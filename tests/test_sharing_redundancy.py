@@ -3,12 +3,13 @@
 * every frozen byte is in two independent ``.data`` files: consecutive saves alternate between two copies, and no copy
   takes more than ``LINKS_PER_COPY`` saves;
 * a flipped byte (mtime moved or restored), a truncated file, ``cp`` over one name and ORT's own
-  ``CheckpointState.save_checkpoint`` over a shared path as root cost only the checkpoints linking to that file: the
-  others load, the next save that would link it reads it back, warns and writes a fresh copy, and damage that hides
-  from the file's identity is found within ``VERIFY_EVERY`` saves;
+  ``CheckpointState.save_checkpoint`` over a shared path as root damage only that file: the checkpoints linking it
+  still load, from the other copy (issue 32: tests/test_healing.py), the next save that would link it reads it back,
+  warns, writes a fresh copy and repairs them, and damage that hides from the file's identity is found within
+  ``VERIFY_EVERY`` saves;
 * where ``link()`` is refused (EPERM, EXDEV) or the store has no hard links, every save is whole and loads;
-* ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads, and ``ort-ckpt verify`` names every
-  checkpoint a damaged shared ``.data`` takes with it;
+* ``fit(ckpt_path="last")`` resumes from the newest checkpoint, and ``ort-ckpt verify`` (which reads a file as ORT
+  does, without the other copy) names every checkpoint sharing a damaged ``.data``;
 * retention that deletes every checkpoint of one copy (a metric-ranked top-k) leaves that copy under a hidden,
   read-only reserve name while kept checkpoints link the other, and drops it once two copies are named by checkpoints
   again: among the files on disk every frozen byte stays in two inodes after every save, sync and async.
