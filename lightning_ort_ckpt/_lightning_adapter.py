@@ -94,6 +94,12 @@ def logger_log_model(logger: Any) -> Any:
     return getattr(logger, "_log_model", False)
 
 
+def hparams_name(module: Any) -> Any:
+    """The name of the ``__init__`` argument ``save_hyperparameters(obj)`` was given (``_hparams_name``), or None:
+    ``load_from_checkpoint`` passes the whole hparams as that argument."""
+    return getattr(module, "_hparams_name", None)
+
+
 def resolve_ckpt_dir(callback: Any, trainer: Any) -> Any:
     """The directory ``ModelCheckpoint`` saves into for this trainer (its ``dirpath``, or the logger's)."""
     return callback._ModelCheckpoint__resolve_ckpt_dir(trainer)
