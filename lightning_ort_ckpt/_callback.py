@@ -42,7 +42,7 @@ from ._binding import bound_plugin
 from ._namespaces import loaded, namespace_of
 from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
 from ._resume import ResumeFallback
-from ._retention import Ledger
+from ._preservation import Preservation
 from ._save_decision import SaveDecision, Verdict
 from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
 from .format._store import StorageOptions, Store, local_path, store_for
@@ -127,11 +127,10 @@ class OrtCheckpointMixin(_Base):
         self._exporter: Any = None
         self.current_score_step: int | None = None
         self._decision = SaveDecision(monitor)
-        self._ledger = Ledger(keep_newest)
         self._verdict = Verdict.PLAIN  # what the save in progress is (LAST inside _save_last_checkpoint)
         self._hook = Hook.OTHER
-        self._link_target: str | None = None  # what last.ckpt points to once queued work is done
         self._resumption = _resume.Resumption(resume_fallback)
+        self._preservation = Preservation(keep_newest, self._resumption, self.FILE_EXTENSION)
         _lightning_adapter.LAST_RESOLUTION.hold_while(self)
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -152,14 +151,7 @@ class OrtCheckpointMixin(_Base):
         self.checkpoint_io.bind(trainer.strategy)
         if self.checkpoint_io.storage_options is not None and not self._store().local:
             _lightning_adapter.set_checkpoint_filesystem(self, str(self.dirpath), self.checkpoint_io.storage_options)
-        dirpath = os.fspath(self.dirpath) if self.dirpath is not None else None  # rank 0's (ModelCheckpoint's setup)
-        self._resumption.agree(lambda mine, adopt: _ranks.agree(trainer, dirpath, self._store(), stage == "fit",
-                                                                mine, adopt),
-                               str(self.dirpath), self.checkpoint_io, self.checkpoint_io.storage_options)
-        fallback = self._resumption.loading(_ranks.all_ranks(trainer), str(self.dirpath),
-                                            lambda path: _lightning_adapter.set_resumed_path(trainer, path))
-        if fallback is not None:  # F2: a sharded load that fails on any rank falls back on every rank
-            _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
+        _agree_on_last(self, trainer, stage)
         _loggers.check_loggers(trainer)
 
     @property
@@ -195,22 +187,10 @@ class OrtCheckpointMixin(_Base):
         super().teardown(trainer, pl_module, stage)
 
     # -- when to save, and ranked or not (_save_decision) --------------------------------------------------------
-    @contextlib.contextmanager
-    def _in(self, hook: Hook, trainer: Any) -> Iterator[None]:
+    def _in(self, hook: Hook, trainer: Any) -> contextlib.AbstractContextManager[None]:
+        """Inside Lightning's ``hook``, with the monitored value as it is now."""
         self._decision.note(trainer.callback_metrics, trainer.global_step)
-        self._hook = hook
-        try:
-            yield
-        finally:
-            self._hook = Hook.OTHER
-
-    @contextlib.contextmanager
-    def _saving(self, verdict: Verdict) -> Iterator[None]:
-        self._verdict = verdict
-        try:
-            yield
-        finally:
-            self._verdict = Verdict.PLAIN
+        return _for_now(self, "_hook", hook, Hook.OTHER)
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         with self._in(Hook.BATCH_END, trainer):
@@ -253,19 +233,19 @@ class OrtCheckpointMixin(_Base):
             validation_follows=batch_end and _lightning_adapter.validation_follows_batch(trainer))
         if verdict is Verdict.RANKED and self.check_monitor_top_k(trainer, monitor_candidates[str(self.monitor)]):
             self.current_score_step = trainer.global_step
-        with self._saving(verdict):
+        with _for_now(self, "_verdict", verdict, Verdict.PLAIN):
             if verdict in (Verdict.PLAIN, Verdict.RANKED):
                 super()._save_topk_checkpoint(trainer, monitor_candidates)
             elif verdict is Verdict.UNRANKED:
                 filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
-                self._ledger.saving_unranked(filepath)  # first: it is part of the file's state
+                self._preservation.ledger.saving_unranked(filepath)  # first: it is part of the file's state
                 self._save_checkpoint(trainer, filepath)
                 self._retain(trainer)
 
     def _save_last_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
         if self._decision.waiting == trainer.global_step:
             return  # saved together with the file that waits for this step's value
-        with self._saving(Verdict.LAST):
+        with _for_now(self, "_verdict", Verdict.LAST, Verdict.PLAIN):
             super()._save_last_checkpoint(trainer, monitor_candidates)
         self._retain(trainer)  # a file kept only because "last" linked to it can go now
 
@@ -277,61 +257,34 @@ class OrtCheckpointMixin(_Base):
             super()._save_checkpoint(trainer, filepath)
             _loggers.log_whole_units(trainer, self)  # the .data (or folder) beside what the loggers just logged
             return
-        self._ledger.saving(filepath)  # before the save: the file's own state lists it, so a resume can rotate it
+        self._preservation.ledger.saving(filepath)  # before the save: the file's own state lists it, so a resume can rotate it
         super()._save_checkpoint(trainer, filepath)
         _loggers.log_whole_units(trainer, self)
-        if self.keep_newest is not None or self._ledger.waiting:  # (a half-written folder "last" skipped waits too)
+        if self.keep_newest is not None or self._preservation.ledger.waiting:  # (a half-written folder "last" skipped waits too)
             self._retain(trainer)
 
     def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
         """Lightning drops a file from its top k (or replaces last): delete it once nothing else keeps it."""
-        self._ledger.waiting.add(filepath)
+        self._preservation.ledger.waiting.add(filepath)
         self._retain(trainer)
 
     def _retain(self, trainer: Any) -> None:
-        keep = {*self.best_k_models, self.best_model_path, self.last_model_path}
-        if self._link_target is None and self.last_model_path:
-            self._link_target = self._store(self.last_model_path).link_target(self.last_model_path)
-        if self._link_target:  # never leave "last" dangling: its target goes only once the link has moved on
-            keep.add(self._link_target)
         resumed = os.fspath(trainer.ckpt_path) if trainer.ckpt_path else None
-        if resumed and not self._resumed_last(resumed):  # a file the user chose: never deleted
-            keep.add(resumed)
-        for path in self._ledger.release(keep):
+        for path in self._preservation.release({*self.best_k_models, self.best_model_path}, self.last_model_path,
+                                               resumed, self._store):
             if self._should_remove_checkpoint(trainer, path, self.last_model_path or ""):
                 trainer.strategy.remove_checkpoint(path)
 
-    def _resumed_last(self, path: str) -> bool:
-        """Whether ``path`` is what ``ckpt_path="last"`` resolved to: one of ours, rotating as usual."""
-        return self._resumption.is_last(path, lambda p: self._store(p).absolute(p))
-
     def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str) -> bool:
-        """Lightning's test (not the current file, inside ``dirpath``, not the file resumed from), with ``..`` and
-        links resolved first (:meth:`_confined`); the file "last" resolved to rotates as in the uninterrupted run."""
-        if not self._confined(previous):
-            return False
-        if self._resumed_last(previous):
-            store = self._store(previous)
-            return store.absolute(previous) != store.absolute(current)
-        return bool(super()._should_remove_checkpoint(trainer, previous, current))
+        return self._preservation.deletable(self.dirpath, previous, current, self._store, lambda: bool(
+            super(OrtCheckpointMixin, self)._should_remove_checkpoint(trainer, previous, current)))
 
     def _confined(self, path: str) -> bool:
         """Whether this callback may delete ``path`` or link there or to it (``_registry.belongs``)."""
-        return self.dirpath is not None and _registry.belongs(os.fspath(self.dirpath), path, self.FILE_EXTENSION,
-                                                               self._store)
+        return self._preservation.confined(self.dirpath, path, self._store)
 
     def _link_checkpoint(self, trainer: Any, filepath: str, linkpath: str) -> None:  # type: ignore[override]
-        """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable; on a store
-        without links, a copy, independent of ``filepath`` from then on. Every rank raises, or none."""
-        refused: Exception | None = None if self._confined(filepath) and self._confined(linkpath) else CheckpointError(
-            f"save_last='link' links only checkpoints inside dirpath {self.dirpath!r}; refusing to link {linkpath!r} "
-            f"to {filepath!r}", linkpath)
-        if refused is None and trainer.is_global_zero and self._store().absolute(filepath) != \
-                self._store().absolute(linkpath):
-            refused = _ranks.attempt(lambda: self.checkpoint_io.link(filepath, linkpath), filepath, linkpath)
-            if refused is None:  # queued behind the save of filepath when asynchronous
-                self._link_target = filepath if self._store(linkpath).local else None
-        _ranks.raise_together(trainer, refused, filepath, linkpath)
+        _link(self, trainer, filepath, linkpath)
 
     # -- resume (_registry, _resume) -----------------------------------------------------------------------------
     def resolve_last(self, trainer: Any) -> str | None:
@@ -340,16 +293,12 @@ class OrtCheckpointMixin(_Base):
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
-        nested = "/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST  # sub-folders only where names make them
         entries = _registry.scan(directory, self._store(directory), self.checkpoint_io.storage_options,
-                                 extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,
-                                 recursive=nested) if directory else []
+                                 extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,  # sub-folders
+                                 recursive="/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST) if directory else []
         rank_zero = trainer.global_rank == 0
-        half = [e.path for e in _registry.half(entries)]
-        if half and rank_zero:  # saves that did not finish: retention deletes them once the next save is stored
-            self._ledger.waiting.update(half)
-            _warn(f"{', '.join(sorted(half))}: checkpoint folder(s) without {_registry.FOLDER_COMMIT_NAME} (a save "
-                  "that did not finish): not resumed from, and deleted after the next save")
+        if rank_zero:
+            self._preservation.take_half(entries)
         found = self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
                                       io=bound_plugin(trainer) or self.checkpoint_io,
                                       storage_options=self.checkpoint_io.storage_options)
@@ -357,24 +306,20 @@ class OrtCheckpointMixin(_Base):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,
-                "saved": list(self._ledger.saved), "last_unranked": self._ledger.last_unranked,
-                **self._decision.state_dict()}
+                **self._preservation.state_dict(), **self._decision.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.current_score_step = state_dict.get("current_score_step")
         self._decision.load_state_dict(state_dict)
         if state_dict.get("dirpath", self.dirpath) == self.dirpath:  # only our own files, and never trusted beyond
-            kept = (*self.best_k_models, self.kth_best_model_path, self.best_model_path, self.last_model_path)
-            outside = self._ledger.restore(state_dict, kept, self._confined, lambda p: self._store(p).exists(p))
-            if outside:
-                _warn(f"the checkpoint's callback state names files that are not checkpoints inside dirpath "
-                      f"{self.dirpath!r}: {', '.join(outside)}; they will never be deleted or linked")
+            self._preservation.restore(state_dict, (*self.best_k_models, self.kth_best_model_path,
+                                                    self.best_model_path, self.last_model_path), self.dirpath, self._store)
 
     @property
     def _saved(self) -> list[str]:
         """The files saved for top-k or periodically, oldest first."""
-        return self._ledger.saved
+        return self._preservation.ledger.saved
 
 
 def _check_arguments(plugin_class: type, triggers: dict[str, Any], keep_newest: int | None,
@@ -399,6 +344,45 @@ def _check_arguments(plugin_class: type, triggers: dict[str, Any], keep_newest: 
     if export_best_to is not None and not _EXPORTER:
         raise CheckpointConfigError("export_best_to needs lightning_ort_ckpt's export callback: import OrtCheckpoint "
                                     "from lightning_ort_ckpt or lightning_ort_ckpt.lightning")
+
+
+@contextlib.contextmanager
+def _for_now(callback: OrtCheckpointMixin, name: str, value: Any, after: Any) -> Iterator[None]:
+    """``callback.<name>`` is ``value`` for the block (the hook a save happens in, what the save is), then
+    ``after``: one explicit state each, never a flag read beside another."""
+    setattr(callback, name, value)
+    try:
+        yield
+    finally:
+        setattr(callback, name, after)
+
+
+def _link(callback: OrtCheckpointMixin, trainer: Any, filepath: str, linkpath: str) -> None:
+    """save_last="link": a relative symlink (and one for ``.data``), made once ``filepath`` is durable; on a store
+    without links, a copy, independent of ``filepath`` from then on. Every rank raises, or none."""
+    refused: Exception | None = None
+    if not (callback._confined(filepath) and callback._confined(linkpath)):
+        refused = CheckpointError(f"save_last='link' links only checkpoints inside dirpath {callback.dirpath!r}; "
+                                  f"refusing to link {linkpath!r} to {filepath!r}", linkpath)
+    store = callback._store()
+    if refused is None and trainer.is_global_zero and store.absolute(filepath) != store.absolute(linkpath):
+        refused = _ranks.attempt(lambda: callback.checkpoint_io.link(filepath, linkpath), filepath, linkpath)
+        if refused is None:  # queued behind the save of filepath when asynchronous
+            callback._preservation.linked(filepath, linkpath, callback._store)
+    _ranks.raise_together(trainer, refused, filepath, linkpath)
+
+
+def _agree_on_last(callback: OrtCheckpointMixin, trainer: Any, stage: str) -> None:
+    """Every rank checks ``dirpath`` and resumes from what rank 0 resolved "last" to (``_ranks``, ``_resume``); a
+    sharded load that fails on any rank falls back on every rank (F2)."""
+    dirpath = os.fspath(callback.dirpath) if callback.dirpath is not None else None  # rank 0's (ModelCheckpoint's)
+    io, resumption = callback.checkpoint_io, callback._resumption
+    resumption.agree(lambda mine, adopt: _ranks.agree(trainer, dirpath, callback._store(), stage == "fit", mine, adopt),
+                     str(dirpath), io, io.storage_options)
+    fallback = resumption.loading(_ranks.all_ranks(trainer), str(dirpath),
+                                  lambda path: _lightning_adapter.set_resumed_path(trainer, path))
+    if fallback is not None:
+        _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
 
 
 def _check_copy(callback: OrtCheckpointMixin, trainer: Any) -> None:

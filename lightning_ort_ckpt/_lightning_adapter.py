@@ -74,9 +74,13 @@ MODEL_CHECKPOINT_PRIVATE = (
     "_should_skip_saving_checkpoint", "_get_metric_interpolated_filepath_name", "_should_remove_checkpoint",
     "_ModelCheckpoint__resolve_ckpt_dir", "_should_save_on_train_epoch_end",
 )
-"""The private methods of ``ModelCheckpoint`` that ``OrtCheckpoint`` overrides or calls. It also sets
-``_every_n_train_steps``, ``_every_n_epochs`` and ``_train_time_interval`` (to combine triggers) and reads
-``_last_global_step_saved``, and replaces ``_fs`` to pass ``storage_options`` (:func:`set_checkpoint_filesystem`)."""
+"""The private methods of ``ModelCheckpoint`` that ``OrtCheckpoint`` overrides or calls."""
+
+MODEL_CHECKPOINT_ATTRIBUTES = ("_every_n_train_steps", "_every_n_epochs", "_train_time_interval",
+                               "_last_global_step_saved")
+"""The private attributes of a ``ModelCheckpoint`` that ``OrtCheckpoint`` sets (the triggers, to combine them) or
+reads (the step it saved last). Its ``_fs`` is replaced here, to pass ``storage_options``
+(:func:`set_checkpoint_filesystem`)."""
 
 _MARK = "reads_ort_checkpoints"
 _SERVED: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar("ort_ckpt_served", default=None)
@@ -92,6 +96,12 @@ def logger_log_model(logger: Any) -> Any:
     """A logger's ``log_model`` setting (``MLFlowLogger``, ``WandbLogger``, ``LitLogger``: False, True or "all"),
     kept only as ``_log_model``; False for loggers without it."""
     return getattr(logger, "_log_model", False)
+
+
+def hparams_name(module: Any) -> Any:
+    """The name of the ``__init__`` argument ``save_hyperparameters(obj)`` was given (``_hparams_name``), or None:
+    ``load_from_checkpoint`` passes the whole hparams as that argument."""
+    return getattr(module, "_hparams_name", None)
 
 
 def resolve_ckpt_dir(callback: Any, trainer: Any) -> Any:

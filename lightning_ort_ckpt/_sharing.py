@@ -56,6 +56,7 @@ import torch
 
 from . import _frozen_copies
 from ._frozen_copies import Copy
+from ._torch_compat import version_counter
 from .errors import CheckpointSaveError
 from .format import CheckpointContents, data_path, save_checkpoint
 from .format._checksums import param_key
@@ -85,7 +86,7 @@ _REMEMBERED = 2 * COPIES  # copies remembered per directory (the newest): older 
 
 
 def _state(t: torch.Tensor) -> tuple[Any, ...]:
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version_counter(t)
 
 
 @dataclass

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ._torch_compat import version_counter
 from .errors import CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, OptimizerGroup, StoredAs
 
@@ -96,7 +97,7 @@ def _wait_for_copies(optimizer: torch.optim.Optimizer) -> None:
     with _lock:
         for item in items:  # the versions before this update: the writer's in-place check must not count it
             if item.released is None:
-                item.released = item.source._version
+                item.released = version_counter(item.source)
 
 
 class _StepHook:
@@ -221,7 +222,7 @@ class _Copy:
                     item.order.synchronize()
                 if item.deferred:
                     with _lock:
-                        seen = item.released if item.released is not None else item.source._version
+                        seen = item.released if item.released is not None else version_counter(item.source)
                     if seen != item.version:
                         torn.append(item.name)
             if torn:
@@ -445,7 +446,7 @@ class Stager:
             buffer = chosen[where]
             previous = sources.get(where)
             if not (where in reused and previous is not None and previous[0].data_ptr() == t.data_ptr()
-                    and previous[0].device == t.device and previous[1:] == (t._version, _steps)):
+                    and previous[0].device == t.device and previous[1:] == (version_counter(t), _steps)):
                 if where in reused and not waited:
                     wait_for_buffers()
                     waited = True
@@ -461,14 +462,14 @@ class Stager:
                     order.record()
                     if not deferred:  # a forward pass may change it: the training stream waits for its copy
                         order.wait_on_device()
-                    job.items.append(_Item(where, t, buffer, order, False, deferred, t._version))
+                    job.items.append(_Item(where, t, buffer, order, False, deferred, version_counter(t)))
                 elif deferred:
-                    job.items.append(_Item(where, t, buffer, HostOrder(), True, True, t._version))
+                    job.items.append(_Item(where, t, buffer, HostOrder(), True, True, version_counter(t)))
                 else:
                     buffer.copy_(t.detach())
             # else: unchanged since the last save copied it, with no optimizer step since: reuse that copy
             if t.data_ptr() in live_memory:
-                self._sources[where] = (t, t._version, _steps)
+                self._sources[where] = (t, version_counter(t), _steps)
             self._buffers[where] = (specs[where], buffer)
 
         def put(where: str, t: Any) -> Any:

@@ -26,22 +26,46 @@ refused when the plugin is bound (:class:`CheckpointConfigError`): its ZeRO chec
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 import torch
 
 from . import _lightning_adapter, _rng
 from ._namespaces import namespace_of
 from ._rng import RNG_KEY
+from ._torch_compat import process_group_of, sharded_tensor_type
 from ._translation.lightning_dict import clean_name
 from .errors import CheckpointConfigError
+from .format._store import StorageOptions
 
 if TYPE_CHECKING:
     from ._dcp_staging import ShardStager
 
-Plugin = Any
-"""An ``OrtCheckpointIO`` (layer 3: not imported here): ``storage_options``, ``async_save``, ``_options``, ``wait``,
-``run_in_order``, ``load_checkpoint`` and ``loaded`` are what this module uses of it."""
+class Plugin(Protocol):
+    """What this module needs of an ``OrtCheckpointIO`` (layer 3: not imported here)."""
+
+    storage_options: StorageOptions | None
+
+    @property
+    def async_save(self) -> bool: ...
+
+    def _options(self, extra: Any | None = None) -> StorageOptions:
+        """The plugin's fsspec options with a save's own ones (``extra``) merged over them."""
+        ...
+
+    def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def teardown(self) -> None: ...
+
+    def load_checkpoint(self, path: str, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]: ...
+
+    def loaded(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+        """The plugin's last look at a checkpoint dict it read (random states kept for the train start)."""
+        ...
+
 
 SUPPORTED = ("DDPStrategy (and every strategy that saves through the CheckpointIO), ModelParallelStrategy, "
              "FSDPStrategy(state_dict_type='sharded' or 'full')")
@@ -202,9 +226,7 @@ def as_dtensors(tree: Any) -> Any:
     as a DTensor viewing the same local shard, the form our sharded saves store (FSDP2's and DCP's own): the same
     global tensor, chunked along its first dimension over the ranks of its process group as ``torch.chunk`` does.
     A load fills the ShardedTensor through that view. Other leaves are left as they are."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(tree, ShardedTensor):
+    if isinstance(tree, sharded_tensor_type()):
         return _dtensor_of(tree)
     if isinstance(tree, (dict, list)):
         items = list(tree.items()) if isinstance(tree, dict) else list(enumerate(tree))
@@ -222,7 +244,7 @@ def _dtensor_of(sharded: Any) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    meta, group = sharded.metadata(), sharded._process_group
+    meta, group = sharded.metadata(), process_group_of(sharded)
     size, ranks = tuple(meta.size), dist.get_world_size(group)
     step = math.ceil(size[0] / ranks) if size else 0
     chunked = {(r, (r * step,) + (0,) * (len(size) - 1),

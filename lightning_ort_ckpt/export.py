@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _rng
+from . import _lightning_adapter, _rng
 from .errors import CheckpointError
 from ._reading import read_weights, serving
 from .format import _atomic
@@ -137,7 +137,7 @@ def check_export_config(module: Any, tolerance: Any, *, trial_export: bool = Tru
         raise ExportError(f"export_tolerance must be a number >= 0, got {tolerance!r}")
     cls = type(module)
     hparams = dict(getattr(module, "hparams", {}))
-    hparams_name = getattr(module, "_hparams_name", None)
+    hparams_name = _lightning_adapter.hparams_name(module)
     unsaved = _unsaved_init_args(cls, hparams, hparams_name)
     missing = [p.name for p in _init_params(cls) if p.name in unsaved and p.default is p.empty]
     if missing:

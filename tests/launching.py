@@ -31,3 +31,28 @@ def launch_script(script: Path, args: list[str], what: str, timeout: float, **ex
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{what} hung:\n{e.stdout}\n{e.stderr}")
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+
+
+def launch_ranks(script: Path, args: list[str], world_size: int, timeout: float, **extra_env: str) -> None:
+    """Run ``script`` once per rank (``RANK``, ``WORLD_SIZE`` and torch.distributed's ``env://`` rendezvous on a
+    fresh loopback port, the package of this checkout importable); fail the test with a rank's output if a rank
+    does not end within ``timeout`` seconds or exits non-zero."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+               **extra_env}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+    try:
+        logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{script.name} {' '.join(args)}: a rank did not end within {timeout:.0f} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]

@@ -6,9 +6,6 @@ timeout."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -97,29 +94,10 @@ def _worker(mode: str, path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(mode: str, path: Path, out: Path, world_size: int = 2) -> None:
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(path), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        logs = [p.communicate(timeout=_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    from launching import launch_ranks
+
+    launch_ranks(Path(__file__), [mode, str(path), str(out)], world_size, _TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import copy
 import io
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -258,24 +257,9 @@ def _worker(out: str) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dcp-public")
-    from launching import free_port
+    from launching import launch_ranks
 
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-        procs.append(subprocess.Popen([sys.executable, __file__, str(out)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT))
-    try:
-        logs = [p.communicate(timeout=_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    launch_ranks(Path(__file__), [str(out)], 2, _TIMEOUT_S, PYTHONWARNINGS="ignore")
     return out
 
 

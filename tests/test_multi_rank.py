@@ -328,7 +328,7 @@ def test_last_takes_a_committed_folder_as_one_checkpoint(tmp_path: Path) -> None
     with pytest.warns(CheckpointWarning, match=r"epoch=0-step=6\.ckpt cannot be resumed from \(a checkpoint folder "
                                                r"whose checkpoint\.ort-meta is damaged\)"):
         assert callback._find_last_checkpoints(trainer) == {folder}
-    assert callback._ledger.waiting == set() and os.path.isdir(damaged)
+    assert callback._preservation.ledger.waiting == set() and os.path.isdir(damaged)
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])

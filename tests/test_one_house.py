@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -184,8 +185,54 @@ def test_mypy_sees_the_readme_classes(tmp_path: Path) -> None:
 
 
 # -- layers ----------------------------------------------------------------------------------------------------------
-LAYER = {"format": 0, "_translation": 1, "errors": 0}
-"""A module's layer by its package or name; the rest of the top level is above translation."""
+ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
+_ROW = re.compile(r"^\| (\d)\. [^|]+\| (.+) \| [^|]+ \|$")
+
+
+def _module_exists(dotted: str) -> bool:
+    path = PACKAGE / dotted.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _unparenthesized(text: str) -> str:
+    """``text`` without what stands in parentheses (a module's description, where other modules are only named)."""
+    out, depth = [], 0
+    for c in text:
+        depth += c == "("
+        if not depth:
+            out.append(c)
+        depth -= c == ")" and depth > 0
+    return "".join(out)
+
+
+def _table() -> dict[str, int]:
+    """Each module of the package and its layer, as ARCHITECTURE.md's table of layers says: the backquoted names
+    of a row, outside parentheses (descriptions); ``pkg/`` names a package, the names after it are looked up
+    inside it first, and a module the table does not name is in the layer of its package."""
+    layers: dict[str, int] = {}
+    for line in ARCHITECTURE.read_text().splitlines():
+        row = _ROW.match(line)
+        if row is None:
+            continue
+        level, prefixes = int(row.group(1)), [""]
+        for token in re.findall(r"`([^`]+)`", _unparenthesized(row.group(2))):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*/?", token):
+                continue  # a class or a file name: prose
+            name = token.rstrip("/")
+            found = next((p + name for p in reversed(prefixes) if _module_exists(p + name)), None)
+            assert found is not None, f"ARCHITECTURE.md's table names a module {token!r} that does not exist"
+            assert layers.get(found, level) == level, f"ARCHITECTURE.md puts {found} in two layers"
+            layers[found] = level
+            if token.endswith("/"):
+                prefixes.append(found + ".")
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        package = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in layers),
+                       None)
+        name = ".".join(parts).removesuffix(".__init__")
+        if name not in layers and package is not None:
+            layers[name] = layers[package]
+    return layers
 
 
 def _imports(path: Path) -> set[str]:
@@ -209,24 +256,32 @@ def _imports(path: Path) -> set[str]:
             or (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()}
 
 
-def _layer(module: str) -> int:
-    parts = module.split(".")[1:]
-    return LAYER.get(parts[0], 2) if parts else 2
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = {m.removeprefix("lightning_ort_ckpt").removeprefix(".") for m in _imports(path)} - {name, ""}
+    return graph
+
+
+def test_architecture_lists_every_module_in_one_layer() -> None:
+    layers, modules = _table(), set(_graph())
+    assert sorted(modules - set(layers)) == [], "modules ARCHITECTURE.md's table of layers does not place"
+    assert set(layers) <= modules
 
 
 def test_lower_layers_never_import_higher_ones_and_nothing_imports_in_a_circle() -> None:
-    graph = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        graph[name] = _imports(path) - {name}
+    """Every import goes down the table of ARCHITECTURE.md (all five layers), and the format layer imports neither
+    torch nor Lightning at import."""
+    layers, graph = _table(), _graph()
     for module, targets in graph.items():
         for target in targets:
-            assert _layer(target) <= _layer(module), f"{module} (layer {_layer(module)}) imports {target}"
-    format_modules = [m for m in graph if _layer(m) == 0 and m != "lightning_ort_ckpt.errors"]
-    for module in format_modules:  # no torch or Lightning at import in the format layer
-        tree = ast.parse((PACKAGE.parent / (module.replace(".", "/") + ".py")).read_text()
-                         if (PACKAGE.parent / (module.replace(".", "/") + ".py")).exists()
-                         else (PACKAGE.parent / module.replace(".", "/") / "__init__.py").read_text())
+            assert layers[target] <= layers[module], \
+                f"{module} (layer {layers[module]}) imports {target} (layer {layers[target]})"
+    for module in (m for m in graph if layers.get(m) == 0 and m != "errors"):
+        path = PACKAGE / module.replace(".", "/")
+        tree = ast.parse((path.with_suffix(".py") if path.with_suffix(".py").exists() else path / "__init__.py")
+                         .read_text())
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
@@ -240,7 +295,7 @@ def test_lower_layers_never_import_higher_ones_and_nothing_imports_in_a_circle()
             return
         seen[node] = 1
         for target in sorted(graph.get(node, ())):
-            if target != "lightning_ort_ckpt" and not node.startswith(target + "."):
+            if not node.startswith(target + "."):
                 visit(target, stack + [node])
         seen[node] = 2
 
@@ -294,3 +349,61 @@ def test_resuming_from_last_reads_the_chosen_file_once(tmp_path: Path, monkeypat
     trainer.fit(_Tiny(), ckpt_path="last")
     assert trainer.ckpt_path.endswith("step=4.ckpt") and trainer.global_step == 6
     assert reads == [trainer.ckpt_path] and downloads == [trainer.ckpt_path]
+
+
+# -- private names of Lightning, torch and fsspec: in their adapters only ---------------------------------------------
+ADAPTERS = {"_lightning_adapter.py", "_torch_compat.py", "format/_fsspec_compat.py"}
+"""Where the private names of Lightning (and of ModelCheckpoint, for the callback), torch and fsspec/s3fs live."""
+
+
+def _own_private_names(trees: dict[str, ast.Module]) -> set[str]:
+    """The private names this package defines: functions, classes, module and class attributes, ``self.x``."""
+    own = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                own.add(node.attr)
+    return {n for n in own if n.startswith("_")}
+
+
+def test_private_names_of_lightning_torch_and_fsspec_live_in_their_adapters() -> None:
+    """An attribute ``x._name`` (or ``getattr(x, "_name")``) that this package does not define, or an import from a
+    private module of another package, is someone else's private name: only the adapters may use one. The callback,
+    a ``ModelCheckpoint``, may use those of ``ModelCheckpoint`` that the adapter lists (``MODEL_CHECKPOINT_PRIVATE``,
+    checked against each supported Lightning by test_integration), and must list every one it overrides."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from lightning_ort_ckpt._lightning_adapter import MODEL_CHECKPOINT_ATTRIBUTES, MODEL_CHECKPOINT_PRIVATE
+
+    assert set(MODEL_CHECKPOINT_ATTRIBUTES) <= set(vars(ModelCheckpoint()))
+    trees = {path.relative_to(PACKAGE).as_posix(): ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}
+    own = _own_private_names(trees)
+    listed = set(MODEL_CHECKPOINT_PRIVATE + MODEL_CHECKPOINT_ATTRIBUTES)  # the callback's; not ours however named
+    callback = (own - set(dir(ModelCheckpoint)) - set(vars(ModelCheckpoint()))) | listed
+    found = []
+    for name, tree in trees.items():
+        if name in ADAPTERS:
+            continue
+        allowed = callback if name == "_callback.py" else own
+        for node in ast.walk(tree):
+            attr = node.attr if isinstance(node, ast.Attribute) else None
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in
+                    ("getattr", "setattr", "hasattr") and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+                attr = str(node.args[1].value)
+            if attr and attr.startswith("_") and not attr.startswith("__") and attr not in allowed:
+                found.append(f"{name}:{node.lineno} {attr}")
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module and node.module != "__future__":
+                private = [p for p in node.module.split(".") if p.startswith("_") and not p.startswith("__")]
+                if private and not node.module.startswith("lightning_ort_ckpt"):
+                    found.append(f"{name}:{node.lineno} from {node.module}")
+            if isinstance(node, ast.ClassDef) and name == "_callback.py":
+                overridden = {f.name for f in node.body if isinstance(f, ast.FunctionDef)
+                              and f.name.startswith("_") and not f.name.startswith("__") and hasattr(ModelCheckpoint, f.name)}
+                found += [f"{name}: {node.name}.{n} overrides ModelCheckpoint's private method unlisted"
+                          for n in sorted(overridden - listed)]
+    assert found == []

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import set_state_dict_metadata, state_dict_metadata
 from ..errors import CheckpointWarning, CorruptCheckpointError
 from ..format import GROUP_ZERO, CheckpointContents, DataType, OptimizerGroup, StoredAs
+from ..format._contents import Tensor
 from . import FORMAT, MANIFEST, optimizers, values
 from .counters import check_counters
 
@@ -100,8 +102,9 @@ def with_aliases(state_dict: dict[str, Any], module: torch.nn.Module) -> dict[st
         return state_dict
     out = type(state_dict)(state_dict)
     out.update((a, state_dict[c]) for a, c in missing.items())
-    if hasattr(state_dict, "_metadata"):
-        out._metadata = state_dict._metadata  # type: ignore[attr-defined]
+    metadata = state_dict_metadata(state_dict)
+    if metadata is not None:
+        set_state_dict_metadata(out, metadata)
     return out
 
 
@@ -157,7 +160,7 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
             manifest["values"][key] = values.encode(value, extra, (key,))
     manifest["cast"] = cast
     # torch keeps each module's state-dict version here; its loaders read it (BatchNorm, for one)
-    manifest["state_dict_metadata"] = values.encode(getattr(state_dict, "_metadata", None), extra)
+    manifest["state_dict_metadata"] = values.encode(state_dict_metadata(state_dict), extra)
     out.properties[MANIFEST] = json.dumps(manifest, separators=(",", ":"), allow_nan=False)
     return out
 
@@ -223,7 +226,9 @@ def _from_manifest(ck: CheckpointContents, manifest: dict[str, Any], path: str, 
     params = {**ck.trainable, **ck.frozen}
     cast = manifest.get("cast", {})
 
-    def restore(t: torch.Tensor, where: str) -> torch.Tensor:
+    def restore(t: Tensor, where: str) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):  # read by our reader: torch's where torch is loaded, as here
+            raise CorruptCheckpointError(f"tensor {where!r} was read as {type(t).__name__}, not a torch tensor", path)
         return t.to(getattr(torch, cast[where])) if where in cast else t
 
     def source(ref: Any) -> torch.Tensor:
@@ -251,7 +256,7 @@ def _from_manifest(ck: CheckpointContents, manifest: dict[str, Any], path: str, 
             out[key] = OrderedDict((k, stored[aliases.get(k, k)]) for k in manifest["state_dict"])
             metadata = values.decode(manifest.get("state_dict_metadata"), source)
             if metadata is not None:
-                out[key]._metadata = metadata  # type: ignore[attr-defined]
+                set_state_dict_metadata(out[key], metadata)
         elif key == "optimizer_states":
             if optimizer_states:
                 out[key] = [_optimizer_from_ort(entry, ck, source, path) for entry in manifest["optimizers"]]

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
 
 from ._dtypes import DataType
 
-Tensor = Any  # torch.Tensor, numpy.ndarray or StoredAs; kept loose so this layer imports neither torch nor Lightning.
+if TYPE_CHECKING:  # this layer imports no torch at run time; type checkers see the real classes
+    import torch
+
+Tensor = Union["torch.Tensor", np.ndarray, "StoredAs", "Deferred"]
+"""What a checkpoint's tensor may be: a torch tensor, a numpy array, one stored as another type, or one read later."""
 PropertyValue = Union[int, float, str]
 
 

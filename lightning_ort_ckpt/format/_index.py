@@ -60,9 +60,8 @@ class GroupInfo:
     states: dict[str, dict[str, TensorInfo]] = field(default_factory=dict)
 
 
-class CheckpointIndex:
-    """The parsed metadata of one checkpoint, validated (see the module's doc). ``buffer`` is the file's FlatBuffer
-    (mapped), ``path`` the file it came from (in errors)."""
+class Described:
+    """What the metadata of a checkpoint says: the index has it, and the reader shows it as its own."""
 
     version: int
     nominal: bool
@@ -73,6 +72,11 @@ class CheckpointIndex:
     properties: dict[str, PropertyValue]
     checksums: _checksums.Recorded | None
     """The tensor checksums the file records (None for a file ORT wrote: it records none)."""
+
+
+class CheckpointIndex(Described):
+    """The parsed metadata of one checkpoint, validated (see the module's doc). ``buffer`` is the file's FlatBuffer
+    (mapped), ``path`` the file it came from (in errors)."""
     external: list[TensorInfo]
     """The tensors whose bytes are in the ``.data`` file."""
     keys: dict[int, str]

@@ -25,32 +25,22 @@ import numpy as np
 
 from ..errors import CheckpointWarning, CorruptCheckpointError
 from . import _checksums
-from ._contents import CheckpointContents, OptimizerGroup, PropertyValue
+from ._contents import CheckpointContents, OptimizerGroup
 from ._diskio import _pread_into, read_range
 from ._dtypes import DataType
 from . import _verification
 from ._files import CheckpointFiles
-from ._index import GroupInfo, TensorInfo
+from ._index import Described, GroupInfo, TensorInfo
 from ._platform import portable_io
 from ._shared_data import OtherCopies, Slot
 from ._verification import Verification
 
 __all__ = ["CheckpointReader", "GroupInfo", "TensorInfo", "load_checkpoint", "open_checkpoint"]
 
-class CheckpointReader:
+class CheckpointReader(Described):
     """An open ODTC checkpoint: its index (what tensors it holds, where) and the reading of their bytes, as views,
     copies or verified against their checksums. Use as a context manager; tensors it returned stay valid after
     :meth:`close`."""
-
-    version: int
-    nominal: bool
-    has_external_data: bool
-    trainable: dict[str, TensorInfo]
-    frozen: dict[str, TensorInfo]
-    optimizer_groups: dict[str, GroupInfo]
-    properties: dict[str, PropertyValue]
-    checksums: _checksums.Recorded | None
-    """The tensor checksums the file records (None for a file ORT wrote: it records none)."""
 
     healed: list[tuple[str, str]]
     """The frozen tensors whose bytes were damaged in this checkpoint's shared ``.data`` and were read from another

@@ -24,9 +24,12 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeGuard
 
 import numpy as np
+
+if TYPE_CHECKING:  # the writer streams torch tensors without importing torch at import
+    import torch
 
 from ..errors import CheckpointSaveError
 from ._atomic import SaveFiles
@@ -224,7 +227,8 @@ def _describe(name: str, tensor: Tensor) -> _Entry:
                   array if stored is None else StoredAs(array, stored))
 
 
-def _is_torch(obj: Any) -> bool:
+def _is_torch(obj: Any) -> TypeGuard[torch.Tensor]:
+    """Whether ``obj`` is a torch tensor, asked without importing torch (this layer never imports it itself)."""
     return type(obj).__module__.startswith("torch")
 
 
