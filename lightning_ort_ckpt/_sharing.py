@@ -168,7 +168,7 @@ class FrozenSharing:
                     and mine.dtype == t.dtype and mine.shape == t.shape and t.layout == torch.strided
                     and t.numel() * t.element_size() >= MIN_BYTES and name not in self._volatile):
                 live[name] = (weakref.ref(mine), _state(mine))
-        if sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in live) < MIN_TOTAL_BYTES:
+        if _nbytes(ck, live) < MIN_TOTAL_BYTES:
             return None
         directory = os.path.dirname(os.path.abspath(path))
         snap = Snapshot(directory, live, {n for n in live if isinstance(live_tensors[n], torch.nn.Parameter)},
@@ -205,7 +205,7 @@ class FrozenSharing:
         while True:
             linked = spec.names.keys() if spec is not None and spec.link_from is not None else set()
             for name in set(kept) - linked - copied:  # written after all: from a copy, as the rest of the save
-                ck.frozen[name] = _copy_unchanged(ck.frozen[name], snap, name, path)
+                ck.frozen[name] = _copy_unchanged(_torch(ck, name), snap, name, path)
                 copied.add(name)
             try:
                 saved = save_checkpoint(ck, path, store=store, external_data=external_data,
@@ -242,7 +242,7 @@ class FrozenSharing:
             for c in copies:
                 same = {n: c.offsets[n] for n in snap.live if n in c.offsets and n not in self._volatile
                         and snap.still(n, c.seen.get(n))}
-                shared_bytes = sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in same)
+                shared_bytes = _nbytes(ck, same)
                 if shared_bytes * 2 >= c.size and shared_bytes >= MIN_TOTAL_BYTES and c.links < LINKS_PER_COPY:
                     linkable.append((c, same))
             spare = self._spares.get(snap.directory)
@@ -263,7 +263,7 @@ class FrozenSharing:
             return chosen, SharedFrozen(same, source, chosen.names[source][0],
                                         {k: chosen.digests[k] for k in keys if k in chosen.digests}, trusted)
         names = set(snap.live) - self._volatile  # a fresh .data
-        if sum(ck.frozen[n].numel() * ck.frozen[n].element_size() for n in names) < MIN_TOTAL_BYTES:
+        if _nbytes(ck, names) < MIN_TOTAL_BYTES:
             return None, None
         return None, SharedFrozen.fresh(names)
 
@@ -355,6 +355,18 @@ class FrozenSharing:
         for c in self._copies[directory]:
             if data in c.names:
                 c.leaving += 1
+
+
+def _torch(ck: CheckpointContents, name: str) -> torch.Tensor:
+    """Frozen tensor ``name`` of ``ck``, one the snapshot took (only torch tensors of the module take part)."""
+    t = ck.frozen[name]
+    assert isinstance(t, torch.Tensor), name
+    return t
+
+
+def _nbytes(ck: CheckpointContents, names: Collection[str]) -> int:
+    """The bytes of the frozen tensors ``names`` of ``ck``."""
+    return sum(_torch(ck, n).numel() * _torch(ck, n).element_size() for n in names)
 
 
 def _copy_unchanged(t: torch.Tensor, snap: Snapshot, name: str, path: str) -> torch.Tensor:
