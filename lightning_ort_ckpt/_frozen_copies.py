@@ -103,7 +103,7 @@ def keep_two(copies: list[Copy], wanted: int, gone: str | None = None) -> list[C
         others = [o for o in copies if o is not c and o.offsets and any(n != gone for n in o.names)]
         linked = any(n != gone and not is_reserve(n) for o in others for n in o.names)
         held = [n for n in c.names if is_reserve(n)]
-        # an adopted reserve (no offsets: an earlier run's) is kept until COPIES copies of this run are on disk
+        # an adopted reserve (no offsets: an earlier run's) is kept until ``wanted`` copies of this run are on disk
         needed = not named and len(others) < wanted and (linked or not c.offsets)
         if needed and not held:
             source = next(n for n in c.names)
@@ -180,7 +180,7 @@ def _trust(copy: Copy, now: Key, count: int) -> None:
 
 def checked(copy: Copy, count: int, path: str, verify_every: int) -> str | None:
     """A name of ``copy`` whose bytes are known good, read back and verified when its identity changed or
-    :data:`verify_every` saves passed; None (with a warning) when they are not. A read-back started in the
+    ``verify_every`` saves passed; None (with a warning, the checkpoints linking it repaired) when they are not. A read-back started in the
     background counts from the save that started it, if the name it read did not change since; it is waited for
     where it is due."""
     source = newest(copy)
