@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
-import warnings
 from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointWarning, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from . import _checksums
 from ._contents import CheckpointContents, OptimizerGroup
 from ._diskio import _pread_into, read_range
@@ -32,7 +30,7 @@ from . import _verification
 from ._files import CheckpointFiles
 from ._index import Described, GroupInfo, TensorInfo
 from ._platform import portable_io
-from ._shared_data import OtherCopies, Slot
+from ._shared_data import Healing
 from ._verification import Verification
 
 __all__ = ["CheckpointReader", "GroupInfo", "TensorInfo", "load_checkpoint", "open_checkpoint"]
@@ -42,10 +40,6 @@ class CheckpointReader(Described):
     copies or verified against their checksums. Use as a context manager; tensors it returned stay valid after
     :meth:`close`."""
 
-    healed: list[tuple[str, str]]
-    """The frozen tensors whose bytes were damaged in this checkpoint's shared ``.data`` and were read from another
-    copy instead, each with the file it was read from."""
-
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False, heal: bool = True) -> None:
         """``verify=True`` checks each tensor against its recorded checksum when it is read (:meth:`verify_tensor`).
         A FlatBuffer ends before 2 GiB: a tail beyond is never mapped nor read. ``heal`` (the default): a frozen
@@ -54,10 +48,7 @@ class CheckpointReader(Described):
         self.path = os.fspath(path)
         self._verify = verify
         self._own: dict[int, np.ndarray] = {}  # tensor bytes read by load(), each in memory of its own
-        self._healed: dict[int, np.ndarray] = {}  # tensor bytes read from another copy, kept for the reader's life
-        self.healed = []
-        self._healing = threading.Lock()
-        self._others = OtherCopies(self.path)  # opened only where a tensor needs another copy
+        self._healing = Healing(self.path)  # tensors read from another copy; its files opened only where needed
         self._files = CheckpointFiles(self.path)
         try:
             self._index = index = self._files.index(short_ok=heal)
@@ -75,6 +66,12 @@ class CheckpointReader(Described):
         self.version, self.nominal, self.has_external_data = index.version, index.nominal, index.has_external_data
         self.trainable, self.frozen, self.optimizer_groups = index.trainable, index.frozen, index.optimizer_groups
         self.properties, self.checksums = index.properties, index.checksums
+
+    @property
+    def healed(self) -> list[tuple[str, str]]:
+        """The frozen tensors whose bytes were damaged in this checkpoint's shared ``.data`` and were read from
+        another copy instead, each with the file it was read from."""
+        return self._healing.healed
 
     @property
     def data_path(self) -> str:
@@ -139,8 +136,8 @@ class CheckpointReader(Described):
         the array goes: a sharded checkpoint's reader and its consolidation read one tensor at a time this way.
         Checked against the recorded checksum when the reader verifies."""
         self._checked_dtype(info)
-        if id(info) in self._healed:
-            return self._healed_into(info, out)
+        if self._healing.has(info):
+            return self._healing.into(info, out)
         fd, path = self._files.source(info)
         if out is None:
             own = read_range(fd, info.offset, info.nbytes, path) if info.nbytes else np.empty(0, np.uint8)
@@ -157,17 +154,9 @@ class CheckpointReader(Described):
             h = _checksums.hasher(int(info.dtype), info.shape)
             h.update(own)
             self._checks.compare(info, h.intdigest())
-            if id(info) in self._healed:
-                return self._healed_into(info, out)
+            if self._healing.has(info):
+                return self._healing.into(info, out)
         return own
-
-    def _healed_into(self, info: TensorInfo, out: np.ndarray | None) -> np.ndarray:
-        """The bytes of ``info`` read from another copy, as :meth:`read_bytes` returns them."""
-        healed = self._healed[id(info)]
-        if out is None:
-            return healed.copy()
-        np.copyto(out, healed.reshape(out.shape))
-        return out
 
     def load(self, verify: bool = True) -> CheckpointContents:
         """Everything, as a :class:`CheckpointContents` of torch tensors (numpy arrays where torch is not installed), each in
@@ -192,7 +181,7 @@ class CheckpointReader(Described):
         try:
             pending = []
             for info in stored:
-                if id(info) in self._healed:
+                if self._healing.has(info):
                     continue
                 fd, path = self._files.source(info)
                 self._own[id(info)] = read_range(fd, info.offset, info.nbytes, path)
@@ -242,28 +231,11 @@ class CheckpointReader(Described):
 
     def close(self) -> None:
         self._files.close()
-        self._others.close()
+        self._healing.close()
 
     def _heal(self, info: TensorInfo) -> bool:
-        """Read frozen tensor ``info``, damaged in this checkpoint's ``.data``, from another copy where its bytes
-        there match the recorded checksum (warning once per reader, naming the damaged file); False where no copy
-        holds it intact."""
-        digest = self._checks.digest(info)
-        if info.kind != "frozen" or info.storage != "external" or digest is None:
-            return False
-        found = self._others.read(info.name, Slot(info.offset, info.nbytes, int(info.dtype), info.shape, digest))
-        if found is None:
-            return False
-        with self._healing:
-            self._healed[id(info)] = np.frombuffer(found[0], dtype=np.uint8)
-            self.healed.append((info.name, found[1]))
-            first = len(self.healed) == 1
-        if first:
-            warnings.warn(f"{self.data_path}: frozen tensor {info.name!r} is damaged in this shared .data; it was read "
-                          f"from the other copy {found[1]} instead, whose bytes match the checksum recorded at save "
-                          f"time (other damaged tensors of it too). `ort-ckpt verify --repair {self.path}` makes the "
-                          "file whole: ONNX Runtime's own reader has no such fallback", CheckpointWarning, stacklevel=2)
-        return True
+        """Read ``info`` from another copy where this checkpoint's bytes of it are damaged (``Healing``)."""
+        return self._healing.heal(info, self._checks.digest(info))
 
     def _fail(self, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, self.path)
@@ -277,7 +249,7 @@ class CheckpointReader(Described):
     def _raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes: read from another copy (healed), its own memory while :meth:`load` runs, else a view
         of the mapped file."""
-        own = self._healed.get(id(info))
+        own = self._healing.bytes.get(id(info))
         if own is not None:
             return own
         own = self._own.get(id(info))

@@ -20,8 +20,9 @@ The writer's side and the reader's side of a shared ``.data`` live here together
 (:class:`SharedFrozen`, decided once by the caller, ``lightning_ort_ckpt._sharing``: which tensors, linked from
 which copy); the writer plans and streams, and :func:`carried_out` confirms the linked bytes and says what the save
 put there (:class:`SavedData`). A read whose checksum fails on a frozen tensor takes its bytes from another copy
-(:class:`OtherCopies`, used by the reader), and :func:`repair` writes a fresh copy from good bytes and relinks the
-checkpoints that pointed at a damaged one (the save that finds damage, ``ort-ckpt verify --repair``).
+(:class:`OtherCopies`; the reader keeps them in a :class:`Healing`), and :func:`repair` writes a fresh copy from
+good bytes and relinks the checkpoints that pointed at a damaged one (the save that finds damage, ``ort-ckpt verify
+--repair``).
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ import stat
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointError, CheckpointSaveError
+import numpy as np
+
+from ..errors import CheckpointError, CheckpointSaveError, CheckpointWarning
 from . import _checksums
 from ._flatbuffers import MAX_FLATBUFFER_SIZE
-from ._index import CheckpointIndex
+from ._index import CheckpointIndex, TensorInfo
 
 Identity = tuple[int, int, int, int]
 """A ``.data`` file as ``(st_dev, st_ino, st_size, st_mtime_ns)``: the inode that a link must reach. The size and
@@ -467,6 +471,52 @@ class OtherCopies:
                 peers.append(_Peer(data, fd, slots))
         self._peers = peers
         return peers
+
+
+class Healing:
+    """The frozen tensors of one open checkpoint (``path``) whose bytes were damaged in its ``.data`` and were read
+    from another copy (:class:`OtherCopies`), kept for the reader's life; one warning per reader names the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.bytes: dict[int, np.ndarray] = {}  # by id of the tensor's info
+        self.healed: list[tuple[str, str]] = []  # (tensor, the copy it was read from)
+        self._others = OtherCopies(path)
+        self._lock = threading.Lock()  # a reader verifies on two threads
+
+    def has(self, info: TensorInfo) -> bool:
+        return id(info) in self.bytes
+
+    def heal(self, info: TensorInfo, digest: int | None) -> bool:
+        """Read frozen tensor ``info`` (recorded checksum ``digest``) from another copy whose bytes match it; False
+        where it is not a frozen tensor of the ``.data`` or no copy holds it intact."""
+        if info.kind != "frozen" or info.storage != "external" or digest is None:
+            return False
+        found = self._others.read(info.name, Slot(info.offset, info.nbytes, int(info.dtype), info.shape, digest))
+        if found is None:
+            return False
+        with self._lock:
+            self.bytes[id(info)] = np.frombuffer(found[0], dtype=np.uint8)
+            self.healed.append((info.name, found[1]))
+            first = len(self.healed) == 1
+        if first:
+            warnings.warn(f"{self.path}.data: frozen tensor {info.name!r} is damaged in this shared .data; it was "
+                          f"read from the other copy {found[1]} instead, whose bytes match the checksum recorded at "
+                          f"save time (other damaged tensors of it too). `ort-ckpt verify --repair {self.path}` makes "
+                          "the file whole: ONNX Runtime's own reader has no such fallback", CheckpointWarning,
+                          stacklevel=4)
+        return True
+
+    def into(self, info: TensorInfo, out: np.ndarray | None) -> np.ndarray:
+        """The bytes of ``info`` read from another copy, in memory of their own, or copied into ``out``."""
+        healed = self.bytes[id(info)]
+        if out is None:
+            return healed.copy()
+        np.copyto(out, healed.reshape(out.shape))
+        return out
+
+    def close(self) -> None:
+        self._others.close()
 
 
 def _inode(path: str) -> tuple[int, int] | None:
