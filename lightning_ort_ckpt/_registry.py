@@ -5,10 +5,11 @@ A checkpoint is one unit: a file with its ``.data``, or a folder (a sharded chec
 ``checkpoint.ort-meta``). :func:`scan` lists a directory through its :class:`~.format._store.Store` (local or remote)
 and says of every visible entry whether it is a committed checkpoint, a half-written one (a checkpoint folder whose
 save did not finish: skipped, and cleaned after the next save) or foreign (anything else: never touched). Committed
-checkpoints come newest first by the step and epoch recorded in their own metadata (a file's Lightning metadata, read
+checkpoints come newest first by the step recorded in their own metadata (a file's Lightning metadata, read
 without its tensors; a folder's metadata document), then by save order (when the file, or the folder's metadata
-file, was committed), never by a folder's modification time. A remote single file is not downloaded to be listed:
-its step is unknown (None), and such entries come after those whose step is known, in save order.
+file, was committed), never by a folder's modification time. A checkpoint whose step cannot be known without
+running or downloading it (a torch file, which is never unpickled to be listed; a remote single file) keeps its
+place in save order among the others.
 """
 
 from __future__ import annotations
@@ -70,10 +71,18 @@ def scan(directory: str, store: Store, storage_options: StorageOptions | None = 
     if sizes:
         entries = [_with_size(store, e) for e in entries]
     lasts = re.compile(rf"^{re.escape(last_name)}(-\d+)?{re.escape(extension)}$")
-    order = {State.COMMITTED: 0, State.HALF: 1, State.FOREIGN: 2}
-    # newest first; on a tie (a link and its target, a copy as "last") the link, then Lightning's last names
-    return sorted(entries, key=lambda e: (-order[e.state], e.step is not None, e.step or 0, e.saved, e.link,
-                                          bool(lasts.match(os.path.basename(e.path))), e.path), reverse=True)
+
+    def tie(e: Entry) -> tuple[bool, bool, str]:  # a link and its target, a copy as "last": the link, then last*
+        return e.link, bool(lasts.match(os.path.basename(e.path))), e.path
+
+    by_time = sorted(committed(entries), key=lambda e: (e.saved, *tie(e)), reverse=True)
+    # the checkpoints whose step is known take the places of those in step order; one whose step cannot be known
+    # without running it (a torch file, a remote file) keeps its place in save order
+    stepped = iter(sorted((e for e in by_time if e.step is not None), key=lambda e: (e.step, e.saved, *tie(e)),
+                          reverse=True))
+    newest_first = [next(stepped) if e.step is not None else e for e in by_time]
+    return newest_first + sorted(half(entries), key=lambda e: e.path) + \
+        sorted((e for e in entries if e.state is State.FOREIGN), key=lambda e: e.path)
 
 
 def committed(entries: list[Entry]) -> list[Entry]:
@@ -116,8 +125,10 @@ def _file(store: Store, path: str) -> Entry:
                 manifest = reader.properties.get(MANIFEST)
             values = json.loads(manifest).get("values", {}) if isinstance(manifest, str) else {}
             step, epoch = _counter(values, "global_step"), _counter(values, "epoch")
-        except (CheckpointError, OSError, ValueError, AttributeError) as e:
+        except (CheckpointError, OSError) as e:
             problem = str(e).removeprefix(f"{path}: ")
+        except (ValueError, AttributeError) as e:  # the manifest's JSON, damaged: say it as the reader would
+            problem = f"its Lightning metadata ({MANIFEST}) is damaged: {e}"
     return Entry(path, Kind.FILE, State.COMMITTED, step, epoch, store.modified(path), problem,
                  link=store.link_target(path) is not None)
 
