@@ -21,7 +21,8 @@ ALONE = (SCRIPT
          .replace("from lightning_ort_ckpt import OrtCheckpoint",
                   "from lightning_ort_ckpt import OrtCheckpointIO\nfrom pytorch_lightning.callbacks import ModelCheckpoint")
          .replace("cb = OrtCheckpoint(", "cb = ModelCheckpoint(")
-         .replace('accelerator="cpu",', 'accelerator="cpu", plugins=[OrtCheckpointIO()],'))
+         .replace(',\n                       async_save=kind.endswith("-async"))', ")")  # the plugin's setting
+         .replace('accelerator="cpu",', 'accelerator="cpu", plugins=[OrtCheckpointIO(async_save=kind.endswith("-async"))],'))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_script_is_the_plugin_alone() -> None:
     fit = ALONE[ALONE.index("def fit("):ALONE.index("def memory_of_full_saves")]  # what the phases run
     assert "OrtCheckpoint(" not in fit and "BindCheckpointIO" not in ALONE
-    assert "cb = ModelCheckpoint(" in fit and "plugins=[OrtCheckpointIO()]" in fit
+    assert "cb = ModelCheckpoint(" in fit and "plugins=[OrtCheckpointIO(" in fit and "async_save" not in fit.split(
+        "cb = ModelCheckpoint(")[1].split(")")[0]
 
 
 @pytest.mark.parametrize("mode", MODES)
