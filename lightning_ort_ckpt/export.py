@@ -300,9 +300,13 @@ def load_module_class(spec: str) -> type:
         found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
         if found is None or found.loader is None or not os.path.exists(where):
             raise ExportError(f"cannot import {where}")
-        module = importlib.util.module_from_spec(found)
-        sys.modules[found.name] = module  # so that classes pickled by name, and load_from_checkpoint, find it
-        found.loader.exec_module(module)
+        module = sys.modules.get(found.name)
+        if module is None or os.path.abspath(getattr(module, "__file__", None) or "") != os.path.abspath(where):
+            module = importlib.util.module_from_spec(found)
+            sys.modules[found.name] = module  # so that classes pickled by name, and load_from_checkpoint, find it
+            found.loader.exec_module(module)
+        # (a file already imported under its name is used as it is: a second copy of its classes would not be the
+        # classes the process already holds, which Enum and dataclass hyperparameters are checked against)
     else:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # like `python -m`: modules of the current project are importable
