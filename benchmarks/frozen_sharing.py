@@ -57,9 +57,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt import _sharing
-from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, save_checkpoint
+from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint,
+                                       save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt.format._shared_data import SharedFrozen
+from lightning_ort_ckpt.format._shared_data import SharedFrozen, repair
 
 WIDTH = 1024
 KINDS = ("sharing", "one copy (old)", "trusted", "whole", "lightning")
@@ -215,6 +216,51 @@ def format_level(frozen_m: float, directory: str, reps: int = 5) -> dict[str, li
     return times
 
 
+def healing(frozen_m: float, directory: str, reps: int = 3) -> dict[str, list[float]]:
+    """Issue 32: two independent copies of a frozen part of ``frozen_m`` million float32 values (two checkpoints
+    written fresh, as the first save and the second copy are); seconds per full load of one of them whole, with one
+    tensor damaged in its ``.data`` (a flipped byte: that tensor read from the other copy), with its ``.data``
+    truncated to 0 (every frozen tensor read from the other copy), and for the repair of the truncated one (a fresh
+    copy written from the other's bytes, durable, read back, relinked)."""
+    g = torch.Generator().manual_seed(0)
+    chunk = 25_000_000
+    frozen = {f"backbone.{i}": torch.randn(chunk, generator=g) for i in range(max(1, int(frozen_m * 1e6) // chunk))}
+    ck = CheckpointContents(frozen=frozen)
+    a, b = os.path.join(directory, "a.ckpt"), os.path.join(directory, "b.ckpt")
+    for path in (a, b):
+        save_checkpoint(ck, path, shared=SharedFrozen.fresh(frozen))
+    times: dict[str, list[float]] = {"full load, whole": [], "full load, one tensor healed": [],
+                                     "full load, every tensor healed (truncated)": [], "repair (truncated)": []}
+    with open_checkpoint(a) as r:
+        first = min(r.frozen.values(), key=lambda i: i.offset)
+    for _ in range(reps):
+        for kind in times:
+            data = a + ".data"
+            if kind == "full load, one tensor healed":
+                os.chmod(data, 0o644)
+                with open(data, "r+b") as f:
+                    f.seek(first.offset + first.nbytes // 2)
+                    byte = f.read(1)
+                    f.seek(first.offset + first.nbytes // 2)
+                    f.write(bytes([byte[0] ^ 0x40]))
+            elif kind.endswith("(truncated)") and kind.startswith("full"):
+                os.truncate(data, 0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t0 = time.perf_counter()
+                if kind.startswith("repair"):
+                    assert repair([a])[0].checkpoints == [a]
+                else:
+                    load_checkpoint(a)
+                times[kind].append(time.perf_counter() - t0)
+            if kind == "full load, one tensor healed":
+                repair([a])
+    for path in (a, b):
+        atomic.remove(path)
+    atomic.wait_for_cleanup()
+    return times
+
+
 def mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -247,6 +293,7 @@ def main() -> None:
             atomic.wait_for_cleanup()
         del state
         writer_only = format_level(args.frozen_m, root)
+        heals = healing(args.frozen_m, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -281,6 +328,8 @@ def main() -> None:
     ]
     print("\nthe writer alone, alternating (seconds per save, median of 5: "
           + "; ".join(f"{kind}: {statistics.median(t):.2f} s" for kind, t in writer_only.items()) + ")")
+    print("\nhealing (issue 32), median of 3, seconds: "
+          + "; ".join(f"{kind}: {statistics.median(t):.3f} s" for kind, t in heals.items()))
     print("\ntargets:")
     for text, ok in verdict:
         print(f"  {'met' if ok else 'NOT MET'}: {text}")

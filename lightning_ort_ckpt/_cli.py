@@ -38,7 +38,7 @@ from .format import CheckpointContents, OptimizerGroup
 from .format._store import store_for
 from .format._reader import CheckpointReader, TensorInfo
 from .format._shared_data import damage_note
-from ._cli_runs import expand, ls
+from ._cli_runs import expand, ls, repair
 from ._cli_text import first_line as _first_line
 from ._cli_text import shown as _shown
 from ._cli_text import size as _size
@@ -61,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "not")
     p_verify.add_argument("paths", nargs="+", metavar="PATH", help=paths_help)
     p_verify.add_argument("--json", action="store_true", help=json_help)
+    p_verify.add_argument("--repair", action="store_true", help="first make whole each checkpoint whose shared "
+                          ".data holds a damaged frozen tensor that another copy holds intact, and say so")
     p_ls = sub.add_parser("ls", help="the checkpoints of a run directory as a table: step, epoch, score, size, "
                           "valid, best and last")
     p_ls.add_argument("directory", help="a run's checkpoint directory (OrtCheckpoint's dirpath)")
@@ -123,6 +125,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "ls":
         return ls(args.directory, as_json=args.json, verify=args.verify)
     units, several = expand(args.paths)
+    for line in repair([p for p, nothing in units if nothing is None]) if getattr(args, "repair", False) else ():
+        print(line, file=sys.stderr if args.json else sys.stdout)
     reports: list[dict[str, Any]] = []
     for path, nothing in units:
         if several and not args.json and args.command == "inspect" and reports:
@@ -187,7 +191,8 @@ def _report(path: str, verify: bool) -> tuple[dict[str, Any], bool]:
     mismatch is reported as ``damaged`` (the report is still shown) and the report's ``valid`` is False."""
     from ._loading import single_file
 
-    with single_file(path) as single, store_for(single).fetched(single) as local, CheckpointReader(local) as reader:
+    with (single_file(path) as single, store_for(single).fetched(single) as local,
+          CheckpointReader(local, heal=not verify) as reader):  # verify: the file as ORT reads it (no other copy)
         report = describe(reader)  # a URL: downloaded first; a sharded directory: consolidated
         if local != path:  # the report names the URL or directory, not the local copy
             report["file"] = path

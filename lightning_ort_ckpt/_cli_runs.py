@@ -26,10 +26,29 @@ from ._translation import MANIFEST
 from .errors import CheckpointError
 from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
 from .format._reader import CheckpointReader
+from .format._shared_data import repair as _repair
+from .format._shared_data import sharing_checkpoints
 from .format._store import store_for
 
 _GLOB_CHARS = "*?["
 CHECKPOINT_SUFFIX = ".ckpt"  # Lightning's ModelCheckpoint.FILE_EXTENSION, which OrtCheckpoint keeps
+
+
+def repair(paths: list[str]) -> list[str]:
+    """``verify --repair``: make whole the checkpoints of ``paths`` (local files, and every checkpoint sharing a
+    ``.data`` with one) whose shared ``.data`` holds a damaged frozen tensor another copy holds intact; a line for
+    each damaged file, saying what was done."""
+    files = sorted({c for p in paths if os.path.isfile(p) for c in [p, *sharing_checkpoints(p)]})
+    lines = []
+    for r in _repair(files):
+        if r.lost:
+            lines.append(f"NOT REPAIRED {_shown(r.damaged)}: frozen tensor {r.lost[0]!r} ({len(r.lost)} in all) is "
+                         "damaged in every copy")
+        else:
+            lines.append(f"REPAIRED {_shown(r.damaged)}: {', '.join(repr(t) for t in r.tensors)} taken from the "
+                         f"other copy; {', '.join(_shown(os.path.basename(c)) for c in r.checkpoints)} now link a "
+                         "fresh, whole copy")
+    return lines
 
 
 def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:

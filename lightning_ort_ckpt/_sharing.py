@@ -19,9 +19,11 @@ goes unseen and the file keeps the old bytes.
 
 No single point of failure: the saves of a directory keep two independent ``.data`` files of the frozen tensors and
 alternate between them, and a file is read back against its checksums before it is linked when it may have changed
-(:class:`FrozenSharing`); one damaged file costs only the checkpoints that link to it. Retention does not undo that:
-where it deletes the last checkpoint of one copy while kept checkpoints link the other, the copy stays under a hidden
-reserve name until two copies are named by checkpoints again (:meth:`FrozenSharing.before_remove`).
+(:class:`FrozenSharing`); one damaged file costs no checkpoint: readers take its tensors from the other copy
+(``format._shared_data.OtherCopies``), and the save that finds it repairs the checkpoints linking it (a fresh copy
+from good bytes, relinked: ``_frozen_copies``, which tracks the copies this module chooses between). Retention does
+not undo that: where it deletes the last checkpoint of one copy while kept checkpoints link the other, the copy stays
+under a hidden reserve name until two copies are named by checkpoints again (:meth:`FrozenSharing.before_remove`).
 
 Off the save path: the second copy, the renewal of a copy, and the periodic read-backs are done by one worker thread
 of the :class:`FrozenSharing` (started on first need, stopped by :meth:`FrozenSharing.close` at the plugin's
@@ -43,23 +45,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 import stat
-import warnings
 import weakref
-from dataclasses import dataclass, field, replace
 from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from . import _frozen_copies
+from ._frozen_copies import Copy
 from ._torch_compat import version_counter
-from .errors import CheckpointSaveError, CheckpointWarning
+from .errors import CheckpointSaveError
 from .format import CheckpointContents, data_path, save_checkpoint
 from .format._checksums import param_key
+from .format._shared_data import NotShared, SavedData, SharedFrozen, write_copy
 from .format._store import Store, store_for
-from .format._shared_data import (Identity, NotShared, SavedData, SharedFrozen, identity, is_reserve, keep_reserve,
-                                  reserves, sharing_checkpoints, verify_data, write_copy)
 from .format._writer import ExternalData
 
 MIN_BYTES = 64 << 10
@@ -118,44 +120,6 @@ class Snapshot:
         return then is not None and now is not None and then[0]() is held is not None and then[1] == now[1]
 
 
-_Key = tuple[Identity, int, int]  # a .data name's identity, ctime and link count when last looked at
-
-
-@dataclass
-class _Copy:
-    """One ``.data`` file a sharing save wrote fresh (an independent copy of the frozen tensors) and the names of
-    the later saves that link (or clone) it."""
-
-    names: dict[str, _Key]  # .data path -> what it was when last looked at (a clone is an inode of its own)
-    offsets: dict[str, int]
-    digests: dict[str, int]
-    layout: dict[str, tuple[int, tuple[int, ...], int]]
-    seen: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]]
-    size: int
-    used: int  # the directory's save count when it was last written or linked (the least recently used is next)
-    verified: int  # the save count when its bytes on disk were last read back and matched their checksums
-    links: int = 0
-    temp: str | None = None  # a copy written in the background: its hidden name until a save links it
-    checking: tuple[int, str, Future[tuple[Identity | None, list[str]]]] | None = None  # a background read-back:
-    # the save count it started at, the name it reads first, its result
-    leaving: int = 0  # our deletions of its names announced (before_remove, a save replacing one) since they were
-    # last recorded: a deletion renames the name away first and unlinks it later, so meanwhile the change time moves
-    # with the link count unchanged
-
-
-@dataclass
-class _Spare:
-    """An independent copy of ``source`` being written in the background to the hidden name ``tmp`` (and read
-    back), for the save that would otherwise write the frozen part fresh: from save ``due`` on, a save that finds
-    fewer than :data:`COPIES` copies to link waits for it rather than write one."""
-
-    since: int
-    due: int
-    source: _Copy
-    tmp: str
-    job: Future[tuple[bool, list[str]]]
-
-
 class FrozenSharing:
     """The sharing state of one plugin: the last save call's snapshot and, per directory, the independent copies of
     the frozen tensors that later saves may link.
@@ -184,12 +148,12 @@ class FrozenSharing:
     def __init__(self, trust_parameters: bool = False) -> None:
         self.trust_parameters = trust_parameters
         self._calls: dict[str, Snapshot] = {}
-        self._copies: dict[str, list[_Copy]] = {}
+        self._copies: dict[str, list[Copy]] = {}
         self._saves: dict[str, int] = {}
         # tensors found changed although their version was not (BatchNorm's running statistics: its kernels update
         # them in place without bumping the counter): never shared again, always written inline
         self._volatile: set[str] = set()
-        self._spares: dict[str, _Spare] = {}  # per directory: the copy being written for later saves
+        self._spares: dict[str, _frozen_copies.Spare] = {}  # per directory: the copy being written for later saves
         self._worker: ThreadPoolExecutor | None = None  # background copies and read-backs; stopped by close()
         self._unlinkable: set[str] = set()  # directories where the last link was refused: no copies written ahead
 
@@ -216,25 +180,26 @@ class FrozenSharing:
 
     def save(self, ck: CheckpointContents, path: str, snap: Snapshot, external_data: ExternalData,
              kept: Collection[str] = (), store: Store | None = None) -> None:
-        """Write ``ck`` to ``path`` through ``store`` (one that ``links``; by default the path's own) sharing what a copy of the directory holds unchanged, and remember what this save
-        holds. ``kept``: frozen parameters of ``ck`` that are the live ones, not staged copies (an asynchronous
-        save); those this save writes after all are copied first, and must not have changed since the call."""
+        """Write ``ck`` to ``path`` through ``store`` (one that ``links``; by default the path's own) sharing what a
+        copy of the directory holds unchanged, and remember what this save holds. ``kept``: frozen parameters of
+        ``ck`` that are the live ones, not staged copies (an asynchronous save); those this save writes after all
+        are copied first, and must not have changed since the call."""
         # a failed save leaves none: the next ones start fresh (adopting the reserves it left)
-        copies = self._copies.pop(snap.directory, None) or _orphans(snap.directory)
+        copies = self._copies.pop(snap.directory, None) or _frozen_copies.orphans(snap.directory)
         count = self._saves[snap.directory] = self._saves.get(snap.directory, 0) + 1
         store = store if store is not None else store_for(path)
         try:
             self._save(ck, path, store, snap, external_data, kept, copies, count)
         except BaseException:
             for c in copies:  # forgotten: a copy written for this run that no save linked goes with them
-                _drop_temp(c)
+                _frozen_copies.drop_temp(c)
             raise
         finally:
             snap.tensors.clear()
         self._plan(snap.directory, count, store)
 
     def _save(self, ck: CheckpointContents, path: str, store: Store, snap: Snapshot, external_data: ExternalData,
-              kept: Collection[str], copies: list[_Copy], count: int) -> None:
+              kept: Collection[str], copies: list[Copy], count: int) -> None:
         chosen, spec = self._spec(ck, snap, copies, count, path)
         copied: set[str] = set()
         while True:
@@ -255,7 +220,7 @@ class FrozenSharing:
                     self._unlinkable.add(snap.directory)
                 if not e.names or any(n in snap.params for n in e.names):
                     for c in copies:
-                        _drop_temp(c)
+                        _frozen_copies.drop_temp(c)
                     copies.clear()
                 chosen, spec = self._spec(ck, snap, copies, count, path)
         if saved is not None:
@@ -263,8 +228,8 @@ class FrozenSharing:
                 self._unlinkable.discard(snap.directory)
             self._copies[snap.directory] = self._remember(path, snap, saved, copies, chosen, count)
 
-    def _spec(self, ck: CheckpointContents, snap: Snapshot, copies: list[_Copy], count: int,
-              path: str) -> tuple[_Copy | None, SharedFrozen | None]:
+    def _spec(self, ck: CheckpointContents, snap: Snapshot, copies: list[Copy], count: int,
+              path: str) -> tuple[Copy | None, SharedFrozen | None]:
         """The copy this save links and how, or (None, a fresh ``.data``) while fewer than :data:`COPIES` copies
         can be linked; drops from ``copies`` those no name reaches any more and those that fail verification.
 
@@ -272,7 +237,7 @@ class FrozenSharing:
         fewer than :data:`COPIES` to link, once it is due (waiting for it where it is not written yet); before it is
         due (the :data:`ONE_COPY_SAVES` saves after a fresh copy), those saves link the one copy there is."""
         while True:
-            copies[:] = [c for c in copies if _reachable(c)]
+            copies[:] = [c for c in copies if _frozen_copies.reachable(c)]
             linkable = []
             for c in copies:
                 same = {n: c.offsets[n] for n in snap.live if n in c.offsets and n not in self._volatile
@@ -283,15 +248,15 @@ class FrozenSharing:
             spare = self._spares.get(snap.directory)
             if len(linkable) < COPIES and spare is not None and count >= spare.due:
                 del self._spares[snap.directory]
-                _resolve(spare, copies, path)
+                _frozen_copies.resolve(spare, copies, path)
                 continue
             if not linkable or (len(linkable) < COPIES and spare is None):
                 break
             chosen, same = min(linkable, key=lambda item: item[0].used)
-            source = _checked(chosen, count, path)
+            source = _frozen_copies.checked(chosen, count, path, VERIFY_EVERY)
             if source is None:
                 copies.remove(chosen)
-                _drop_reserves(chosen)  # damaged: its reserve holds the same bad bytes
+                _frozen_copies.drop_reserves(chosen)  # damaged: its reserve holds the same bad bytes
                 continue
             keys = [param_key(n) for n in same]
             trusted = frozenset(snap.params & same.keys()) if self.trust_parameters else frozenset()
@@ -302,27 +267,27 @@ class FrozenSharing:
             return None, None
         return None, SharedFrozen.fresh(names)
 
-    def _remember(self, path: str, snap: Snapshot, saved: SavedData, copies: list[_Copy], chosen: _Copy | None,
-                  count: int) -> list[_Copy]:
+    def _remember(self, path: str, snap: Snapshot, saved: SavedData, copies: list[Copy], chosen: Copy | None,
+                  count: int) -> list[Copy]:
         data = data_path(os.path.abspath(path))
         for c in copies:  # this name now reaches what this save put there (the save deleted what it held before)
             if c.names.pop(data, None) is not None and c is not chosen:
                 c.leaving += 1
-        key = _key(data)
+        key = _frozen_copies.key_of(data)
         if saved.linked and chosen is not None and key is not None:
-            _drop_temp(chosen)  # a checkpoint's now
-            _restat(chosen)  # one more link: their ctime and count moved
+            _frozen_copies.drop_temp(chosen)  # a checkpoint's now
+            _frozen_copies.restat(chosen)  # one more link: their ctime and count moved
             chosen.names[data] = key
             chosen.links += 1
             chosen.used = count
             chosen.seen.update({n: snap.live[n] for n in saved.offsets if n in snap.live})
         elif key is not None:
-            copies.append(_Copy({data: key}, saved.offsets, saved.digests, saved.layout,
+            copies.append(Copy({data: key}, saved.offsets, saved.digests, saved.layout,
                                 {n: snap.live[n] for n in saved.offsets if n in snap.live}, saved.identity[2],
                                 used=count, verified=count))
-        copies = _keep_two([c for c in copies if c.names])
+        copies = _frozen_copies.keep_two([c for c in copies if c.names], COPIES)
         for c in copies[:-_REMEMBERED]:
-            _drop_reserves(c)
+            _frozen_copies.drop_reserves(c)
         return copies[-_REMEMBERED:]
 
     def _plan(self, directory: str, count: int, store: Store) -> None:
@@ -334,18 +299,20 @@ class FrozenSharing:
         copies = [c for c in self._copies.get(directory, []) if c.offsets and c.links < LINKS_PER_COPY]
         for c in copies:
             if c.checking is None and c.temp is None and count - c.verified >= VERIFY_EVERY * 3 // 4:
-                names = _by_age(c)
-                c.checking = (count, names[0], self._background(_read_back, names, c.offsets, c.layout, c.digests))
+                names = _frozen_copies.by_age(c)
+                c.checking = (count, names[0],
+                              self._background(_frozen_copies.read_back, names, c.offsets, c.layout, c.digests))
         if not copies or directory in self._spares or directory in self._unlinkable or COPIES < 2:
             return
         first = len(copies) < COPIES
         if first or any(c.links >= LINKS_PER_COPY - 2 for c in copies):
             source = copies[-1]  # the newest: the tensors as they are now
-            name = _newest(source)
+            name = _frozen_copies.newest(source)
             tmp = store.temp_name(store.join(directory, "frozen-copy.data"))
             job = self._background(write_copy, name, source.names[name][0], tmp, source.offsets, source.layout,
                                    source.digests)
-            self._spares[directory] = _Spare(count, count + 1 + (ONE_COPY_SAVES if first else 0), source, tmp, job)
+            due = count + 1 + (ONE_COPY_SAVES if first else 0)
+            self._spares[directory] = _frozen_copies.Spare(count, due, source, tmp, job)
 
     def _background(self, fn: Any, *args: Any) -> Future[Any]:
         if self._worker is None:
@@ -365,7 +332,7 @@ class FrozenSharing:
         for directory, copies in self._copies.items():
             for c in copies:
                 c.checking = None
-                _drop_temp(c)
+                _frozen_copies.drop_temp(c)
             self._copies[directory] = [c for c in copies if c.names]
 
     def before_remove(self, path: str) -> None:
@@ -380,210 +347,14 @@ class FrozenSharing:
         if not copies:
             return
         if not any(data in c.names for c in copies):
-            key, st = _key(data), _lstat(data)
+            key, st = _frozen_copies.key_of(data), _frozen_copies.lstat(data)
             if key is None or st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                 return
-            copies.insert(0, _Copy({data: key}, {}, {}, {}, {}, st.st_size, used=0, verified=0))
-        self._copies[directory] = _keep_two(copies, gone=data)
+            copies.insert(0, Copy({data: key}, {}, {}, {}, {}, st.st_size, used=0, verified=0))
+        self._copies[directory] = _frozen_copies.keep_two(copies, COPIES, gone=data)
         for c in self._copies[directory]:
             if data in c.names:
                 c.leaving += 1
-
-
-def _lstat(path: str) -> os.stat_result | None:
-    try:
-        return os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-
-
-def _key(data: str) -> _Key | None:
-    st = _lstat(data)
-    return None if st is None else (identity(st), st.st_ctime_ns, st.st_nlink)
-
-
-def _reachable(copy: _Copy) -> bool:
-    """Forget the names of ``copy`` that are another file now (replaced, deleted); whether any is left."""
-    for name, (ident, _, _) in list(copy.names.items()):
-        now = _key(name)
-        if now is None or now[0][:2] != ident[:2]:
-            del copy.names[name]
-    return bool(copy.names)
-
-
-def _restat(copy: _Copy) -> None:
-    """Record the names of ``copy`` again after our own link or deletion moved their change time and link count
-    (only those still the very file: a name whose size or modification time moved stays as it was, and is read
-    back before it is linked)."""
-    for name, (ident, _, _) in list(copy.names.items()):
-        now = _key(name)
-        if now is not None and now[0] == ident:
-            copy.names[name] = now
-    copy.leaving = 0
-
-
-def _keep_two(copies: list[_Copy], gone: str | None = None) -> list[_Copy]:
-    """The copies still on disk, a reserve name kept for each that no checkpoint names any more (``gone`` is about
-    to be deleted) while a checkpoint links another and fewer than :data:`COPIES` others remain, and dropped from the
-    rest. The oldest are looked at first: where one must go, the newer copies stay."""
-    copies = [c for c in copies if _reachable(c)]
-    for c in copies:
-        named = any(n != gone and not is_reserve(n) for n in c.names)
-        others = [o for o in copies if o is not c and o.offsets and any(n != gone for n in o.names)]
-        linked = any(n != gone and not is_reserve(n) for o in others for n in o.names)
-        held = [n for n in c.names if is_reserve(n)]
-        # an adopted reserve (no offsets: an earlier run's) is kept until COPIES copies of this run are on disk
-        needed = not named and len(others) < COPIES and (linked or not c.offsets)
-        if needed and not held:
-            source = next(n for n in c.names)
-            name = keep_reserve(source, c.names[source][0])
-            if name is not None:
-                c.names[name] = c.names[source]
-                _restat(c)
-        elif held and not needed:
-            _drop_reserves(c)
-    return [c for c in copies if c.names]
-
-
-def _drop_reserves(copy: _Copy) -> None:
-    """Delete the reserve names of ``copy``, and the hidden name of one written in the background (the inode goes
-    with the last)."""
-    _drop_temp(copy)
-    held = [n for n in copy.names if is_reserve(n)]
-    for name in held:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
-        del copy.names[name]
-    if held:
-        _restat(copy)
-
-
-def _orphans(directory: str) -> list[_Copy]:
-    """The reserves in ``directory`` no copy of this plugin tracks (an earlier run's, or kept through a failed save),
-    as copies no save links: kept until :data:`COPIES` copies of this run are on disk."""
-    found = []
-    for name in reserves(directory):
-        key = _key(name)
-        if key is not None:
-            found.append(_Copy({name: key}, {}, {}, {}, {}, key[0][2], used=0, verified=0))
-    return found
-
-
-def _by_age(copy: _Copy) -> list[str]:
-    """The names of ``copy``, newest first: by modification time (a clone is an inode of its own), then the name
-    linked last (retention deletes the oldest checkpoints first)."""
-    return sorted(reversed(list(copy.names)), key=lambda n: copy.names[n][0][3], reverse=True)
-
-
-def _newest(copy: _Copy) -> str:
-    """The newest name of ``copy``."""
-    return _by_age(copy)[0]
-
-
-def _read_back(names: list[str], offsets: dict[str, int], layout: dict[str, tuple[int, tuple[int, ...], int]],
-               digests: dict[str, int]) -> tuple[Identity | None, list[str]]:
-    """:func:`verify_data` of the first of ``names`` that still opens (on the worker thread: retention may have
-    deleted the others since the read-back was asked for)."""
-    for name in names:
-        found, bad = verify_data(name, offsets, layout, digests)
-        if found is not None:
-            return found, bad
-    return None, []
-
-
-def _moved(then: _Key, now: _Key, copy: _Copy) -> bool:
-    """Whether a ``.data`` name of ``copy`` changed since it was last looked at other than by our own links and
-    deletions: the change time moved with the link count unchanged while none of ours was under way."""
-    return now[0] != then[0] or (now[1] != then[1] and now[2] == then[2] and not copy.leaving)
-
-
-def _trust(copy: _Copy, now: _Key, count: int) -> None:
-    """Record the names of the inode ``now`` (just read back, its bytes matched) as they are now, verified at
-    ``count``."""
-    for name, (ident, _, _) in list(copy.names.items()):
-        if ident[:2] == now[0][:2]:
-            copy.names[name] = now
-    copy.leaving = 0
-    copy.verified = max(copy.verified, count)
-
-
-def _checked(copy: _Copy, count: int, path: str) -> str | None:
-    """A name of ``copy`` whose bytes are known good, read back and verified when its identity changed or
-    :data:`VERIFY_EVERY` saves passed; None (with a warning) when they are not. A read-back started in the
-    background counts from the save that started it, if the name it read did not change since; it is waited for
-    where it is due."""
-    source = _newest(copy)
-    if copy.checking is not None:
-        since, name, job = copy.checking
-        if job.done() or count - copy.verified >= VERIFY_EVERY:
-            copy.checking = None
-            found, bad = job.result()
-            # the name it read, or (retention deleted that one) another name of the same inode
-            same = sorted((n for n in copy.names if copy.names[n][0] == found), key=lambda n: n != name)
-            now = _key(same[0]) if same else None
-            if now is not None and found == now[0] and not _moved(copy.names[same[0]], now, copy):
-                if bad:
-                    _warn_damaged(same[0], bad, path)
-                    return None
-                _trust(copy, now, since)
-                source = same[0]
-    then, now = copy.names[source], _key(source)
-    if now is None:
-        return None
-    moved = _moved(then, now, copy)
-    if not moved and count - copy.verified < VERIFY_EVERY:
-        return source
-    found, bad = verify_data(source, copy.offsets, copy.layout, copy.digests)
-    if found is None or bad or found != now[0]:
-        _warn_damaged(source, bad, path)
-        return None
-    _trust(copy, now, count)
-    return source
-
-
-def _resolve(spare: _Spare, copies: list[_Copy], path: str) -> None:
-    """Add the copy written in the background to ``copies`` (waiting for it where it is not written yet), never
-    linked before, so the next to link; where its source was found damaged while it was copied, drop that."""
-    written, bad = spare.job.result()
-    source = spare.source
-    key = _key(spare.tmp) if written else None
-    if key is not None:
-        copies.append(_Copy({spare.tmp: key}, source.offsets, source.digests, source.layout, dict(source.seen),
-                            source.size, used=-1, verified=spare.since, temp=spare.tmp))
-    elif bad and source in copies:
-        _warn_damaged(_newest(source), bad, path)
-        copies.remove(source)
-        _drop_reserves(source)
-
-
-def _warn_damaged(source: str, bad: list[str], path: str) -> None:
-    lost = sharing_checkpoints(source[:-len(".data")])
-    what = (f"frozen tensor {bad[0]!r} ({len(bad)} in all) no longer matches the checksum recorded when it was "
-            f"written" if bad else "it could not be read back")
-    warnings.warn(f"{source}: this shared .data is damaged ({what}); {path} gets a fresh copy instead, and no "
-                  f"save links to it again. The {len(lost)} checkpoint(s) linking to it cannot be loaded: "
-                  f"{', '.join(os.path.basename(p) for p in lost) or 'none left'}", CheckpointWarning, stacklevel=5)
-
-
-def _drop_temp(copy: _Copy) -> None:
-    """Delete the hidden name of a copy written in the background (once a checkpoint links it, or when it is
-    forgotten)."""
-    if copy.temp is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(copy.temp)
-        copy.names.pop(copy.temp, None)
-        copy.temp = None
-
-
-def _copy_unchanged(t: torch.Tensor, snap: Snapshot, name: str, path: str) -> torch.Tensor:
-    """A copy of the live tensor ``t`` an asynchronous save kept uncopied, made on the writer thread; it must still
-    be what it was at the save call."""
-    copy = t.detach().to("cpu", copy=True)
-    ref, state = snap.live[name]
-    if ref() is None or _state(ref()) != state:  # type: ignore[arg-type]
-        raise CheckpointSaveError(f"frozen tensor {name!r} was changed in place while its asynchronous save was "
-                                  "being written; the file would mix two training steps, so it was not written", path)
-    return copy
 
 
 def _torch(ck: CheckpointContents, name: str) -> torch.Tensor:
@@ -596,3 +367,14 @@ def _torch(ck: CheckpointContents, name: str) -> torch.Tensor:
 def _nbytes(ck: CheckpointContents, names: Collection[str]) -> int:
     """The bytes of the frozen tensors ``names`` of ``ck``."""
     return sum(_torch(ck, n).numel() * _torch(ck, n).element_size() for n in names)
+
+
+def _copy_unchanged(t: torch.Tensor, snap: Snapshot, name: str, path: str) -> torch.Tensor:
+    """A copy of the live tensor ``t`` an asynchronous save kept uncopied, made on the writer thread; it must still
+    be what it was at the save call."""
+    copy = t.detach().to("cpu", copy=True)
+    ref, state = snap.live[name]
+    if ref() is None or _state(ref()) != state:  # type: ignore[arg-type]
+        raise CheckpointSaveError(f"frozen tensor {name!r} was changed in place while its asynchronous save was "
+                                  "being written; the file would mix two training steps, so it was not written", path)
+    return copy

@@ -3,12 +3,13 @@
 * every frozen byte is in two independent ``.data`` files: consecutive saves alternate between two copies, and no copy
   takes more than ``LINKS_PER_COPY`` saves;
 * a flipped byte (mtime moved or restored), a truncated file, ``cp`` over one name and ORT's own
-  ``CheckpointState.save_checkpoint`` over a shared path as root cost only the checkpoints linking to that file: the
-  others load, the next save that would link it reads it back, warns and writes a fresh copy, and damage that hides
-  from the file's identity is found within ``VERIFY_EVERY`` saves;
+  ``CheckpointState.save_checkpoint`` over a shared path as root damage only that file: the checkpoints linking it
+  still load, from the other copy (issue 32: tests/test_healing.py), the next save that would link it reads it back,
+  warns, writes a fresh copy and repairs them, and damage that hides from the file's identity is found within
+  ``VERIFY_EVERY`` saves;
 * where ``link()`` is refused (EPERM, EXDEV) or the store has no hard links, every save is whole and loads;
-* ``fit(ckpt_path="last")`` resumes from the newest checkpoint that loads, and ``ort-ckpt verify`` names every
-  checkpoint a damaged shared ``.data`` takes with it;
+* ``fit(ckpt_path="last")`` resumes from the newest checkpoint, and ``ort-ckpt verify`` (which reads a file as ORT
+  does, without the other copy) names every checkpoint sharing a damaged ``.data``;
 * retention that deletes every checkpoint of one copy (a metric-ranked top-k) leaves that copy under a hidden,
   read-only reserve name while kept checkpoints link the other, and drops it once two copies are named by checkpoints
   again: among the files on disk every frozen byte stays in two inodes after every save, sync and async.
@@ -29,9 +30,10 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import _cli
+from lightning_ort_ckpt import _frozen_copies as frozen_copies
 from lightning_ort_ckpt import _sharing as sharing
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
-from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, save_checkpoint
+from lightning_ort_ckpt.format import CheckpointContents, CheckpointReader, load_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared
 from lightning_ort_ckpt.format._local_store import LocalStore
@@ -59,13 +61,23 @@ def data(path: Path) -> Path:
     return Path(atomic.data_path(str(path)))
 
 
-def loads(path: Path, module: torch.nn.Module) -> bool:
+def loads(path: Path, module: torch.nn.Module, heal: bool = True) -> bool:
+    """Whether ``path`` loads with the module's frozen values (``heal=False``: from its own files alone, as ORT
+    reads it; else a damaged frozen tensor is read from the other copy, issue 32)."""
     try:
-        ck = load_checkpoint(path)
+        with CheckpointReader(path, heal=heal) as reader:
+            ck = reader.load()
     except CheckpointError:
         return False
     assert torch.equal(ck.frozen[WEIGHT], module.weight)
     return True
+
+
+def heals(path: Path, module: torch.nn.Module) -> bool:
+    """Whether ``path`` is damaged in its own files, yet loads whole from the other copy, with a warning."""
+    with pytest.warns(CheckpointWarning, match="read from the other copy"):
+        healed = loads(path, module)
+    return healed and not loads(path, module, heal=False)
 
 
 def run(tmp_path: Path, n: int, sh: sharing.FrozenSharing | None = None,
@@ -210,15 +222,16 @@ def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, 
 
 
 def record_read_backs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """(thread, file name) of every read-back of a copy (``verify_data`` called by ``_sharing``) from now on."""
+    """(thread, file name) of every read-back of a copy (``verify_data`` called by ``_frozen_copies``, the copies
+    ``_sharing`` tracks) from now on."""
     calls: list[tuple[str, str]] = []
-    verify = sharing.verify_data
+    verify = frozen_copies.verify_data
 
     def recorded(path: str, *args: Any) -> Any:
         calls.append((threading.current_thread().name, os.path.basename(path)))
         return verify(path, *args)
 
-    monkeypatch.setattr(sharing, "verify_data", recorded)
+    monkeypatch.setattr(frozen_copies, "verify_data", recorded)
     return calls
 
 
@@ -315,11 +328,13 @@ def test_a_flipped_byte_costs_only_the_checkpoints_linking_that_file(tmp_path: P
     sh, module, paths = run(tmp_path, 4)  # 1 and 3 share copy A, 2 and 4 copy B
     assert inode(paths[0]) == inode(paths[2]) != inode(paths[1]) == inode(paths[3])
     flip(data(paths[2]), keep_mtime)
-    assert not loads(paths[0], module) and not loads(paths[2], module)
-    assert loads(paths[1], module) and loads(paths[3], module)  # the other copy: whole
-    with pytest.warns(CheckpointWarning, match=r"shared \.data is damaged .*2 checkpoint\(s\) linking to it cannot "
-                                               r"be loaded: step=1\.ckpt, step=3\.ckpt"):
-        save(sh, module, tmp_path / "step=5.ckpt", "step 5")  # would link A: reads it back first
+    assert heals(paths[0], module) and heals(paths[2], module)  # issue 32: read from the other copy
+    assert loads(paths[1], module, heal=False) and loads(paths[3], module, heal=False)  # the other copy: whole
+    with pytest.warns(CheckpointWarning, match=r"shared \.data is damaged .*2 checkpoint\(s\) linking to it were "
+                                               r"repaired .*: step=1\.ckpt, step=3\.ckpt"):
+        save(sh, module, tmp_path / "step=5.ckpt", "step 5")  # would link A: reads it back first, repairs it
+    assert loads(paths[0], module, heal=False) and loads(paths[2], module, heal=False)  # whole again
+    assert inode(paths[0]) == inode(paths[2]) not in (inode(paths[1]),)  # a fresh copy of their own
     fifth = tmp_path / "step=5.ckpt"
     assert inode(fifth) not in (inode(paths[0]), inode(paths[1]))  # a fresh copy
     with warnings.catch_warnings():
@@ -364,11 +379,11 @@ def test_truncate_or_cp_over_one_name(tmp_path: Path, how: str) -> None:
         os.chmod(victim, 0o644)
         shutil.copyfile(other, victim)
     assert inode(paths[0]) == inode(paths[2])  # still one inode: both damaged
-    assert not loads(paths[0], module) and not loads(paths[2], module)
+    assert heals(paths[0], module) and heals(paths[2], module)
     with pytest.warns(CheckpointWarning, match="damaged"):
         save(sh, module, tmp_path / "step=5.ckpt", "step 5")
-    for p in (paths[1], paths[3], tmp_path / "step=5.ckpt"):
-        assert loads(p, module)
+    for p in (*paths, tmp_path / "step=5.ckpt"):
+        assert loads(p, module, heal=False)  # repaired by the save that found it
 
 
 def test_ort_saving_over_a_shared_path_as_root_costs_only_that_copy(tmp_path: Path) -> None:
@@ -383,15 +398,15 @@ def test_ort_saving_over_a_shared_path_as_root_costs_only_that_copy(tmp_path: Pa
     state = api.CheckpointState.load_checkpoint(str(stranger))
     api.CheckpointState.save_checkpoint(state, str(paths[2]))
     assert inode(paths[0]) == inode(paths[2])  # ORT wrote in place, through the shared inode
-    assert not loads(paths[0], module)
+    assert heals(paths[0], module)
     assert loads(paths[1], module) and loads(paths[3], module)
-    with pytest.warns(CheckpointWarning, match="damaged"):
-        save(sh, module, tmp_path / "step=5.ckpt", "step 5")
-    assert loads(tmp_path / "step=5.ckpt", module)
     with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(paths[0])
+        CheckpointReader(paths[0], heal=False).load()
     note = shared.damage_note(str(paths[0]), str(caught.value))
     assert "shared .data" in note and "the 2 checkpoints" in note and "step=1.ckpt, step=3.ckpt" in note
+    with pytest.warns(CheckpointWarning, match="damaged"):
+        save(sh, module, tmp_path / "step=5.ckpt", "step 5")
+    assert loads(tmp_path / "step=5.ckpt", module) and loads(paths[0], module, heal=False)
 
 
 def test_verify_names_every_checkpoint_a_damaged_shared_data_takes(tmp_path: Path,
@@ -479,7 +494,7 @@ def test_last_resumes_from_the_newest_checkpoint_that_loads(tmp_path: Path, vict
     lost = shared.sharing_checkpoints(str(run_dir / victim))
     assert 1 <= len(lost) < len(files)
     with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(run_dir / victim)
+        CheckpointReader(run_dir / victim, heal=False).load()
     if len(lost) > 1:
         assert f"the {len(lost)} checkpoints sharing it" in shared.damage_note(str(run_dir / victim), str(caught.value))
     start = StartStep()
@@ -585,7 +600,7 @@ def test_top2_keeping_the_best_and_the_newest(tmp_path: Path, victim: str) -> No
     start = StartStep()
     fit(run_dir, steps=8, ckpt_path="last", model=ranked(best_first=True), extra=(start,), monitor="score",
         mode="max", save_top_k=2)
-    assert start.step == (6 if victim == "best" else 1)  # the newest checkpoint that loads
+    assert start.step == 6  # the newest, either way: a damaged copy heals from the other one (issue 32)
 
 
 def test_a_fresh_copy_makes_the_reserve_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,7 @@ class CheckpointFiles:
         self._mapping = threading.Lock()
         self._data: Any = None  # the .data file opened with the checkpoint, as one consistent pair
         self.mm: Any = None
+        self.data_size: int | None = None  # the .data file's size when opened (None: no .data)
         try:
             fd, data_fd = _atomic.open_pair(path)  # changes nothing on disk, even mid-commit
             self._data = None if data_fd is None else os.fdopen(data_fd, "rb", buffering=0)
@@ -56,13 +57,14 @@ class CheckpointFiles:
     def data_path(self) -> str:
         return _atomic.data_path(self.path)
 
-    def index(self) -> CheckpointIndex:
+    def index(self, short_ok: bool = False) -> CheckpointIndex:
         """The checkpoint's index, parsed from the mapping, with its ``.data`` file checked against it (or let go
-        of, where the checkpoint has none)."""
+        of, where the checkpoint has none). ``short_ok``: a ``.data`` shorter than its tensors need is the caller's
+        to handle (the reader heals those tensors from another copy: ``_shared_data``); they are never mapped."""
         with _parsing(self.mm):
             index = CheckpointIndex(self.mm, self.path)
         if index.has_external_data:
-            self._check_external_data(index)
+            self._check_external_data(index, short_ok)
         elif self._data is not None:
             self._data.close()
             self._data = None
@@ -75,7 +77,8 @@ class CheckpointFiles:
             return self.mm
         with self._mapping:
             if self._data_mm is None:
-                needed = max(i.offset + i.nbytes for i in index.external)
+                needed = max(i.offset + i.nbytes for i in index.external
+                             if self.data_size is None or i.offset + i.nbytes <= self.data_size)
                 with self._data if self._data is not None else self._open_data() as f:
                     if os.fstat(f.fileno()).st_size < needed:
                         raise self._fail(f"its external data file {self.data_path} shrank while it was open")
@@ -104,7 +107,7 @@ class CheckpointFiles:
     def _fail(self, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, self.path)
 
-    def _check_external_data(self, index: CheckpointIndex) -> None:
+    def _check_external_data(self, index: CheckpointIndex, short_ok: bool) -> None:
         try:
             st = os.fstat(self._data.fileno()) if self._data is not None else os.stat(self.data_path)
         except FileNotFoundError:
@@ -114,7 +117,9 @@ class CheckpointFiles:
         if not stat.S_ISREG(st.st_mode):
             raise self._fail(f"its external data file {self.data_path} is not a regular file")
         self._check_confined(None if self._data is None else self._data.fileno())
-        index.check_data_size(st.st_size, self.data_path)
+        self.data_size = st.st_size
+        if not short_ok:
+            index.check_data_size(st.st_size, self.data_path)
 
     def _check_confined(self, fd: int | None) -> None:
         """Refuse a ``.data`` that is, or resolves to, a file outside the checkpoint's directory (a symbolic link

@@ -30,6 +30,7 @@ from . import _verification
 from ._files import CheckpointFiles
 from ._index import Described, GroupInfo, TensorInfo
 from ._platform import portable_io
+from ._shared_data import Healing
 from ._verification import Verification
 
 __all__ = ["CheckpointReader", "GroupInfo", "TensorInfo", "load_checkpoint", "open_checkpoint"]
@@ -39,23 +40,38 @@ class CheckpointReader(Described):
     copies or verified against their checksums. Use as a context manager; tensors it returned stay valid after
     :meth:`close`."""
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False, heal: bool = True) -> None:
         """``verify=True`` checks each tensor against its recorded checksum when it is read (:meth:`verify_tensor`).
-        A FlatBuffer ends before 2 GiB: a tail beyond is never mapped nor read."""
+        A FlatBuffer ends before 2 GiB: a tail beyond is never mapped nor read. ``heal`` (the default): a frozen
+        tensor damaged in a shared ``.data`` is read from another copy whose bytes match its checksum
+        (``_shared_data.OtherCopies``), with one warning naming the damaged file; ``heal=False`` raises instead."""
         self.path = os.fspath(path)
         self._verify = verify
         self._own: dict[int, np.ndarray] = {}  # tensor bytes read by load(), each in memory of its own
+        self._healing = Healing(self.path)  # tensors read from another copy; its files opened only where needed
         self._files = CheckpointFiles(self.path)
         try:
-            self._index = index = self._files.index()
+            self._index = index = self._files.index(short_ok=heal)
+            self._keys = index.keys
+            self._checks = Verification(index, self._files, self._own, self._heal if heal else None)
+            size = self._files.data_size
+            for info in index.external:  # past the end of a truncated .data: only another copy has these
+                if size is not None and info.offset + info.nbytes > size:
+                    if not self._heal(info):
+                        index.check_data_size(size, self._files.data_path)
+                    self._checks.done(info)
         except BaseException:
-            self._files.close()
+            self.close()
             raise
-        self._keys = index.keys
-        self._checks = Verification(index, self._files, self._own)
         self.version, self.nominal, self.has_external_data = index.version, index.nominal, index.has_external_data
         self.trainable, self.frozen, self.optimizer_groups = index.trainable, index.frozen, index.optimizer_groups
         self.properties, self.checksums = index.properties, index.checksums
+
+    @property
+    def healed(self) -> list[tuple[str, str]]:
+        """The frozen tensors whose bytes were damaged in this checkpoint's shared ``.data`` and were read from
+        another copy instead, each with the file it was read from."""
+        return self._healing.healed
 
     @property
     def data_path(self) -> str:
@@ -120,6 +136,8 @@ class CheckpointReader(Described):
         the array goes: a sharded checkpoint's reader and its consolidation read one tensor at a time this way.
         Checked against the recorded checksum when the reader verifies."""
         self._checked_dtype(info)
+        if self._healing.has(info):
+            return self._healing.into(info, out)
         fd, path = self._files.source(info)
         if out is None:
             own = read_range(fd, info.offset, info.nbytes, path) if info.nbytes else np.empty(0, np.uint8)
@@ -136,6 +154,8 @@ class CheckpointReader(Described):
             h = _checksums.hasher(int(info.dtype), info.shape)
             h.update(own)
             self._checks.compare(info, h.intdigest())
+            if self._healing.has(info):
+                return self._healing.into(info, out)
         return own
 
     def load(self, verify: bool = True) -> CheckpointContents:
@@ -161,6 +181,8 @@ class CheckpointReader(Described):
         try:
             pending = []
             for info in stored:
+                if self._healing.has(info):
+                    continue
                 fd, path = self._files.source(info)
                 self._own[id(info)] = read_range(fd, info.offset, info.nbytes, path)
                 if hashing is not None:
@@ -209,6 +231,11 @@ class CheckpointReader(Described):
 
     def close(self) -> None:
         self._files.close()
+        self._healing.close()
+
+    def _heal(self, info: TensorInfo) -> bool:
+        """Read ``info`` from another copy where this checkpoint's bytes of it are damaged (``Healing``)."""
+        return self._healing.heal(info, self._checks.digest(info))
 
     def _fail(self, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, self.path)
@@ -220,7 +247,11 @@ class CheckpointReader(Described):
         self.close()
 
     def _raw(self, info: TensorInfo) -> np.ndarray:
-        """The tensor's bytes: its own memory while :meth:`load` runs, else a view of the mapped file."""
+        """The tensor's bytes: read from another copy (healed), its own memory while :meth:`load` runs, else a view
+        of the mapped file."""
+        own = self._healing.bytes.get(id(info))
+        if own is not None:
+            return own
         own = self._own.get(id(info))
         if own is not None:
             return own

@@ -5,6 +5,7 @@ memory a full load read it into; large checkpoints on two threads."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,10 +22,13 @@ PARALLEL_VERIFY_BYTES = 256 << 20  # below this, one thread verifies: starting a
 
 class Verification:
     """The checksum checks of one open checkpoint. ``own`` maps a tensor (``id`` of its info) to the bytes a full
-    load read it into (shared with the reader, which fills it)."""
+    load read it into (shared with the reader, which fills it). ``heal`` is asked for a tensor whose bytes do not
+    match: True when it found them intact elsewhere (another copy of a shared ``.data``), which then count."""
 
-    def __init__(self, index: CheckpointIndex, files: CheckpointFiles, own: dict[int, np.ndarray]) -> None:
+    def __init__(self, index: CheckpointIndex, files: CheckpointFiles, own: dict[int, np.ndarray],
+                 heal: Callable[[TensorInfo], bool] | None = None) -> None:
         self.checksums = index.checksums
+        self._heal = heal
         self._keys = index.keys
         self._files = files
         self._own = own
@@ -54,6 +58,10 @@ class Verification:
             return
         if info.storage in ("inline", "external"):
             self.compare(info, self._digest(info))
+        self.done(info)
+
+    def done(self, info: TensorInfo) -> None:
+        """Count ``info`` as verified (its bytes were found intact, here or in another copy)."""
         self._verified.add(id(info))
 
     def all(self, infos: list[TensorInfo]) -> None:
@@ -111,11 +119,19 @@ class Verification:
             pos += n
         return h.intdigest()
 
+    def digest(self, info: TensorInfo) -> int | None:
+        """The checksum recorded for ``info`` (None where the file records none for it)."""
+        return self.checksums.digests.get(self._keys[id(info)]) if self.usable else None  # type: ignore[union-attr]
+
     def compare(self, info: TensorInfo, found: int) -> None:
-        """Raise our error naming the tensor unless ``found`` is the checksum recorded for it."""
-        if found != self.checksums.digests[self._keys[id(info)]]:  # type: ignore[union-attr]
+        """Raise our error naming the tensor unless ``found`` is the checksum recorded for it, or ``heal`` found its
+        bytes intact in another copy."""
+        if found != self.checksums.digests[self._keys[id(info)]] and not (  # type: ignore[union-attr]
+                self._heal is not None and self._heal(info)):
             where = f" (in {self._files.data_path})" if info.storage == "external" else ""
             what = {"momentum": "optimizer state", "trainable": "parameter", "frozen": "parameter or buffer"}
             name = self._keys[id(info)].split(":", 1)[1]
+            again = (" (and no other copy of this shared .data holds it intact)"
+                     if self._heal is not None and info.kind == "frozen" and where else "")
             raise CorruptCheckpointError(f"{what[info.kind]} {name!r}{where} is damaged: its bytes (or type or shape) "
-                                         "do not match the checksum recorded when it was saved", self.path)
+                                         f"do not match the checksum recorded when it was saved{again}", self.path)

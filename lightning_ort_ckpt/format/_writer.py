@@ -40,7 +40,7 @@ from ._dtypes import DataType, from_numpy, from_torch
 from ._flatbuffers import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from ._platform import portable_io
 from ._store import StorageOptions, Store, store_for
-from ._shared_data import NotShared, SavedData, SharedFrozen, identity
+from ._shared_data import NotShared, SavedData, SharedFrozen, carried_out
 from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot, OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
 ExternalData = Literal["auto", "never", "params", "all"]
@@ -140,46 +140,25 @@ def _digests(tensors: _Tensors) -> dict[str, int]:
 
 def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: SaveFiles,
                   digests: dict[str, int], path: str) -> SavedData:
-    """What the save put in ``.data``, once the linked tensors are confirmed to hold the linked bytes (``digests``,
-    the hashes just computed, get the recorded ones of tensors that changed only after the save was asked for)."""
-    changed = []
-    verified = set(_to_verify(shared, plan, tensors))
-    for key in plan.linked:
-        name, ck_key = tensors.entries[key].name, tensors.entries[key].checksum_key
-        if key not in verified and ck_key in digests:
-            digests[ck_key] = shared.digests[ck_key]
-        elif ck_key in digests and digests[ck_key] != shared.digests.get(ck_key):
-            if shared.changed_since_asked is None or not shared.changed_since_asked(name):
-                changed.append(name)
-            digests[ck_key] = shared.digests[ck_key]
-    if changed:
-        raise NotShared(path, changed)
-    if files.data is not None:
-        _read_only(files.data)
-    inode = shared.identity if files.linked else identity(os.fstat(files.data.fileno()))  # type: ignore[union-attr]
-    assert inode is not None, "a linked .data links the file whose identity the save was given"
-    keys = [_checksums.param_key(n) for n in plan.offsets]
+    """What the save put in ``.data`` (``_shared_data.carried_out``: the linked tensors confirmed, the file made
+    read-only), from what this save planned and hashed."""
+    hashed = set(_to_verify(shared, plan, tensors))
+    linked = [(tensors.entries[k].name, tensors.entries[k].checksum_key, k in hashed) for k in plan.linked]
     layout = {e.name: (int(e.dtype), tuple(e.dims), e.nbytes) for e in tensors.entries
               if e.name in plan.offsets and e.checksum_key == _checksums.param_key(e.name)}
-    return SavedData(files.linked, inode, plan.offsets, {k: digests[k] for k in keys if k in digests}, layout)
+    data = files.data.fileno() if files.data is not None else None
+    return carried_out(shared, linked, digests, files.linked, data, plan.offsets, layout, path)
 
 
 def _to_verify(shared: SharedFrozen | None, plan: _Plan, tensors: _Tensors) -> list[int]:
-    """The linked tensors to hash again: all but those the caller trusts and whose digest was recorded."""
+    """The linked tensors to hash again (``SharedFrozen.rehash``)."""
     if shared is None:
         return []
-    return [k for k in plan.linked if tensors.entries[k].name not in shared.trusted
-            or tensors.entries[k].checksum_key not in shared.digests]
+    return [k for k in plan.linked if shared.rehash(tensors.entries[k].name, tensors.entries[k].checksum_key)]
 
 
 class _SharedTooLarge(Exception):
     """Keeping everything but the shared frozen tensors inline would pass 2 GiB."""
-
-
-def _read_only(f: BinaryIO) -> None:
-    """A shared ``.data`` is never written again: see ``shared`` (a no-op where modes cannot be set)."""
-    with contextlib.suppress(OSError, NotImplementedError, AttributeError):
-        os.fchmod(f.fileno(), 0o444)
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
