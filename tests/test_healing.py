@@ -273,3 +273,30 @@ def test_a_checkpoint_without_a_second_copy_fails_as_before(tmp_path: Path) -> N
     with pytest.raises(CorruptCheckpointError, match="'weight'"):
         load_checkpoint(path)
     assert shared.repair([str(path)])[0].lost == ["weight"]
+
+
+def test_a_healing_reader_goes_with_its_last_use(tmp_path: Path) -> None:
+    """A reader that heals (the default) is freed by reference counting alone, as one that does not: in a reference
+    cycle it, and its mapping of ``.data`` with every page a lazy read touched, outlived its use until a gc ran;
+    ``ort-ckpt export`` held the weights' pages twice through the export (tests/test_memory.py)."""
+    import gc
+    import weakref
+
+    from lightning_ort_ckpt.format import save_checkpoint
+
+    path = tmp_path / "one.ckpt"
+    save_checkpoint(CheckpointContents(frozen=dict(frozen_module().state_dict())), path, external_data="params")
+    gc.disable()
+    try:
+        for heal in (False, True):
+            reader = CheckpointReader(path, verify=True, heal=heal)
+            with reader:
+                state = reader.module_state()
+            mapping = weakref.ref(reader._files._data_mm)
+            gone = weakref.ref(reader)
+            del reader
+            assert gone() is None, f"heal={heal}: the reader outlives its last reference"
+            del state
+            assert mapping() is None, f"heal={heal}: the .data stays mapped after its tensors went"
+    finally:
+        gc.enable()

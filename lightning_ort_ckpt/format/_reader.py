@@ -53,11 +53,13 @@ class CheckpointReader(Described):
         try:
             self._index = index = self._files.index(short_ok=heal)
             self._keys = index.keys
-            self._checks = Verification(index, self._files, self._own, self._heal if heal else None)
+            # Healing.heal, not a method of this reader: the reader must not be in a reference cycle, or it (and
+            # its mapping of the file, with every page a lazy read touched) outlives its last use until a gc runs
+            self._checks = Verification(index, self._files, self._own, self._healing.heal if heal else None)
             size = self._files.data_size
             for info in index.external:  # past the end of a truncated .data: only another copy has these
                 if size is not None and info.offset + info.nbytes > size:
-                    if not self._heal(info):
+                    if not self._healing.heal(info, self._checks.digest(info)):
                         index.check_data_size(size, self._files.data_path)
                     self._checks.done(info)
         except BaseException:
@@ -232,10 +234,6 @@ class CheckpointReader(Described):
     def close(self) -> None:
         self._files.close()
         self._healing.close()
-
-    def _heal(self, info: TensorInfo) -> bool:
-        """Read ``info`` from another copy where this checkpoint's bytes of it are damaged (``Healing``)."""
-        return self._healing.heal(info, self._checks.digest(info))
 
     def _fail(self, message: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(message, self.path)

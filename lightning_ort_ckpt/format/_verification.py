@@ -23,10 +23,11 @@ PARALLEL_VERIFY_BYTES = 256 << 20  # below this, one thread verifies: starting a
 class Verification:
     """The checksum checks of one open checkpoint. ``own`` maps a tensor (``id`` of its info) to the bytes a full
     load read it into (shared with the reader, which fills it). ``heal`` is asked for a tensor whose bytes do not
-    match: True when it found them intact elsewhere (another copy of a shared ``.data``), which then count."""
+    match, with its recorded checksum: True when it found them intact elsewhere (another copy of a shared
+    ``.data``), which then count."""
 
     def __init__(self, index: CheckpointIndex, files: CheckpointFiles, own: dict[int, np.ndarray],
-                 heal: Callable[[TensorInfo], bool] | None = None) -> None:
+                 heal: Callable[[TensorInfo, int | None], bool] | None = None) -> None:
         self.checksums = index.checksums
         self._heal = heal
         self._keys = index.keys
@@ -127,7 +128,7 @@ class Verification:
         """Raise our error naming the tensor unless ``found`` is the checksum recorded for it, or ``heal`` found its
         bytes intact in another copy."""
         if found != self.checksums.digests[self._keys[id(info)]] and not (  # type: ignore[union-attr]
-                self._heal is not None and self._heal(info)):
+                self._heal is not None and self._heal(info, self.digest(info))):
             where = f" (in {self._files.data_path})" if info.storage == "external" else ""
             what = {"momentum": "optimizer state", "trainable": "parameter", "frozen": "parameter or buffer"}
             name = self._keys[id(info)].split(":", 1)[1]
