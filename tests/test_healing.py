@@ -3,7 +3,7 @@
 A fine-tuning run with a frozen backbone (two frozen weights large enough to share), ``keep_newest=3`` plus
 ``save_last``, keeps its frozen tensors in two independent ``.data`` files. For each kind of damage to one of them
 (``truncate`` to 0, ``cp`` of another run's file over it and ORT's own ``save_checkpoint`` over a checkpoint path,
-both as root, a flipped byte, flips in both copies at different tensors):
+both as root, a flipped byte in either copy, flips in both copies at different tensors):
 
 * every kept checkpoint loads with the exact values it saved, the damaged tensor read from the other copy (one
   warning naming the damaged file), and ``fit(ckpt_path="last")`` resumes from the newest;
@@ -11,8 +11,10 @@ both as root, a flipped byte, flips in both copies at different tensors):
   ``ort-ckpt verify --repair DIR`` writes a fresh copy from good bytes, relinks them, says so, and leaves two good
   copies that load without any fallback;
 
-the same tensor damaged in both copies is an error naming it, and damage found by the background read-back is
-repaired by the save that takes the read-back.
+``fit(ckpt_path="last")`` resumes from the newest before any repair too; the same tensor damaged in both copies is
+an error naming it; damage found by the background read-back is repaired by the save that takes the read-back; a
+reader that heals goes with its last reference (no cycle keeps its mapping). A sharded folder has no second copy of
+a shard: a damaged one is not healed, and "last" falls back to the folder before it.
 """
 
 from __future__ import annotations
@@ -110,14 +112,14 @@ def ort_saves_over(path: Path, source: Path) -> None:
     api.CheckpointState.save_checkpoint(state, str(path))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "cp", "ort_save", "flip_a", "flip_both"])
-def test_every_checkpoint_loads_exactly_resumes_and_is_repaired(tmp_path: Path, damage: str,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    assert os.geteuid() == 0, "the tests run as root: the case the read-only mode cannot protect"
-    run = tmp_path / "run"
-    states = train(run)
+DAMAGE = ["truncate", "cp", "ort_save", "flip_a", "flip_b", "flip_both"]
+
+
+def damage_one(run: Path, tmp_path: Path, damage: str) -> tuple[list[Path], Path | None]:
+    """Damage ``run``'s copies as ``damage`` says (see the module doc; ``flip_a``: a byte of the newest checkpoint's
+    copy, ``flip_b``: of the other copy): the checkpoints whose ``.data`` it damaged, and the one ORT wrote over
+    (``ort_save``; None otherwise)."""
     files = checkpoints(run)
-    assert len(files) == 4 and len(copies(run)) == 2  # steps 4, 5, 6 and last; two independent copies
     newest, other = two_copies(run)
     victims = [p for p in files if inode(p) == inode(newest)]
     overwritten: Path | None = None
@@ -137,10 +139,25 @@ def test_every_checkpoint_loads_exactly_resumes_and_is_repaired(tmp_path: Path, 
             assert inode(overwritten) == before and len(victims) > 1
     elif damage == "flip_a":
         flip_in(newest, SECOND)
+    elif damage == "flip_b":
+        flip_in(other, FIRST)
+        victims = [p for p in files if inode(p) == inode(other)]
     else:
         flip_in(newest, SECOND)
         flip_in(other, FIRST)
         victims = files
+    return victims, overwritten
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_every_checkpoint_loads_exactly_resumes_and_is_repaired(tmp_path: Path, damage: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert os.geteuid() == 0, "the tests run as root: the case the read-only mode cannot protect"
+    run = tmp_path / "run"
+    states = train(run)
+    files = checkpoints(run)
+    assert len(files) == 4 and len(copies(run)) == 2  # steps 4, 5, 6 and last; two independent copies
+    victims, overwritten = damage_one(run, tmp_path, damage)
     kept = [p for p in files if p != overwritten]
     for p in victims:
         if p == overwritten:
@@ -165,7 +182,7 @@ def test_every_checkpoint_loads_exactly_resumes_and_is_repaired(tmp_path: Path, 
     for p in kept:
         assert_exact(p, states[step_of(p)], heal=False)  # whole again, without any fallback
     good = {inode(p) for p in kept}
-    assert len(good) >= 2  # two good copies (the file ORT wrote keeps its own)
+    assert len(good) == 2  # two good copies (the file ORT wrote, no longer a kept checkpoint's, keeps its own)
     for p in kept:
         assert shared.recorded_slots(str(p)).keys() == {FIRST, SECOND}
 
@@ -174,16 +191,11 @@ def test_every_checkpoint_loads_exactly_resumes_and_is_repaired(tmp_path: Path, 
     assert start.step == 6  # the newest
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip_both"])
+@pytest.mark.parametrize("damage", DAMAGE)
 def test_last_resumes_from_the_newest_before_any_repair(tmp_path: Path, damage: str) -> None:
     run = tmp_path / "run"
     train(run)
-    newest, other = two_copies(run)
-    if damage == "truncate":
-        os.truncate(data(newest), 0)
-    else:
-        flip_in(newest, SECOND)
-        flip_in(other, FIRST)
+    damage_one(run, tmp_path, damage)
     start = StartStep()
     fit(run, steps=7, model=TwoFrozen(), ckpt_path="last", keep_newest=3, save_last=True, extra=(start,))
     assert start.step == 6  # not an older one, not 0
@@ -300,3 +312,48 @@ def test_a_healing_reader_goes_with_its_last_use(tmp_path: Path) -> None:
             assert mapping() is None, f"heal={heal}: the .data stays mapped after its tensors went"
     finally:
         gc.enable()
+
+
+def test_a_damaged_shard_has_no_second_copy_and_last_falls_back(tmp_path: Path) -> None:
+    """A sharded checkpoint folder keeps each shard once (no frozen sharing, no ``.data``): a frozen tensor damaged in
+    a shard is not healed, not even from the identical bytes of an older folder beside it (another checkpoint, not
+    a copy of this one); the load names the shard and the tensor, and "last" falls back to the older folder (the
+    registry's fallback: ``_registry.scan``, ``_resume.resolve_last`` and ``falling_back``, one rank)."""
+    from lightning_ort_ckpt._dcp_storage import load_sharded, save_sharded
+    from lightning_ort_ckpt._registry import scan
+    from lightning_ort_ckpt._resume import falling_back, resolve_last
+    from lightning_ort_ckpt.format._store import store_for
+
+    frozen = frozen_module().weight.detach()
+    for step in (2, 4):
+        save_sharded({"backbone": frozen, "head": torch.full((4,), float(step)), "global_step": step},
+                     str(tmp_path / f"step={step}.ckpt"))
+    shard = next((tmp_path / "step=4.ckpt").glob("shard-*"))
+    assert not list(tmp_path.rglob("*.data"))  # nothing shared, nothing to heal from
+    raw = bytearray(shard.read_bytes())
+    at = raw.find(frozen.numpy().tobytes()[:64])
+    assert at > 0
+    raw[at + frozen.numel() * 2] ^= 0x40  # a byte in the middle of the frozen tensor
+    shard.write_bytes(raw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CorruptCheckpointError, match=rf"{shard.name}.*'backbone@0,0' .*is damaged"):
+            load_sharded({"backbone": torch.zeros_like(frozen)}, str(tmp_path / "step=4.ckpt"))
+    assert not [w for w in caught if "other copy" in str(w.message)]
+
+    entries = scan(str(tmp_path), store_for(str(tmp_path)))
+    held: list[str] = []
+
+    class Holder:
+        def hold(self, path: str, found: Any) -> None:
+            held.append(path)
+
+    choice = resolve_last(entries, rank_zero=True, io=Holder(), storage_options=None)
+    assert choice.path == str(tmp_path / "step=4.ckpt") and choice.folder and not held  # taken by its metadata
+    target = {"backbone": torch.zeros_like(frozen), "head": torch.zeros(4)}
+    went: list[str] = []
+    load = falling_back(lambda path: load_sharded(target, path), choice, lambda ok: ok, went.append, str(tmp_path))
+    with pytest.warns(CheckpointWarning, match=rf"{shard.name}.*every rank falls back to .*step=2\.ckpt"):
+        loaded = load(choice.path)
+    assert went == [str(tmp_path / "step=2.ckpt")] and loaded["global_step"] == 2
+    assert torch.equal(target["backbone"], frozen) and torch.equal(target["head"], torch.full((4,), 2.0))
