@@ -7,7 +7,6 @@ a fresh copy from good bytes, the checkpoints that linked the damaged one relink
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 import weakref
@@ -18,8 +17,8 @@ from typing import Any
 import torch
 
 from .errors import CheckpointWarning
-from .format._shared_data import (Identity, identity, is_reserve, keep_reserve, repair, reserves,
-                                  sharing_checkpoints, verify_data)
+from .format._shared_data import (Identity, drop_name, identity, is_reserve, keep_reserve, looked_at, repair,
+                                  reserves, sharing_checkpoints, verify_data)
 
 
 Key = tuple[Identity, int, int]  # a .data name's identity, ctime and link count when last looked at
@@ -61,15 +60,8 @@ class Spare:
 
 
 
-def lstat(path: str) -> os.stat_result | None:
-    try:
-        return os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-
-
 def key_of(data: str) -> Key | None:
-    st = lstat(data)
+    st = looked_at(data)
     return None if st is None else (identity(st), st.st_ctime_ns, st.st_nlink)
 
 
@@ -122,8 +114,7 @@ def drop_reserves(copy: Copy) -> None:
     drop_temp(copy)
     held = [n for n in copy.names if is_reserve(n)]
     for name in held:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
+        drop_name(name)
         del copy.names[name]
     if held:
         restat(copy)
@@ -248,7 +239,6 @@ def drop_temp(copy: Copy) -> None:
     """Delete the hidden name of a copy written in the background (once a checkpoint links it, or when it is
     forgotten)."""
     if copy.temp is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(copy.temp)
+        drop_name(copy.temp)
         copy.names.pop(copy.temp, None)
         copy.temp = None

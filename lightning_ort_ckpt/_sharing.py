@@ -43,7 +43,6 @@ remote (``scheme://``) path is written whole.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import weakref
@@ -60,7 +59,8 @@ from ._torch_compat import version_counter
 from .errors import CheckpointSaveError
 from .format import CheckpointContents, data_path, save_checkpoint
 from .format._checksums import param_key
-from .format._shared_data import NotShared, SavedData, SharedFrozen, write_copy
+from .format._shared_data import (NotShared, SavedData, SharedFrozen, SharedTooLarge, drop_name, looked_at,
+                                  write_copy)
 from .format._store import Store, store_for
 from .format._writer import ExternalData
 
@@ -212,6 +212,9 @@ class FrozenSharing:
                                         shared=spec if not linked or spec is None else
                                         replace(spec, changed_since_asked=lambda n: not snap.still_live(n)))
                 break
+            except SharedTooLarge:  # the rest inline would pass 2 GiB: this save is written whole, as "auto" does
+                saved = save_checkpoint(ck, path, store=store, external_data=external_data)
+                break
             except NotShared as e:  # no link here, or tensors that changed unseen
                 # a buffer is never shared again (a forward pass changes it unseen: BatchNorm's statistics); a
                 # parameter changed through .data once: this save writes a fresh .data, and later ones share that
@@ -326,8 +329,7 @@ class FrozenSharing:
         if worker is not None:
             worker.shutdown(wait=True)
         for spare in self._spares.values():
-            with contextlib.suppress(OSError):
-                os.unlink(spare.tmp)
+            drop_name(spare.tmp)
         self._spares.clear()
         for directory, copies in self._copies.items():
             for c in copies:
@@ -347,7 +349,7 @@ class FrozenSharing:
         if not copies:
             return
         if not any(data in c.names for c in copies):
-            key, st = _frozen_copies.key_of(data), _frozen_copies.lstat(data)
+            key, st = _frozen_copies.key_of(data), looked_at(data)
             if key is None or st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                 return
             copies.insert(0, Copy({data: key}, {}, {}, {}, {}, st.st_size, used=0, verified=0))

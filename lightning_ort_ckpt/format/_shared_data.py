@@ -101,11 +101,20 @@ class NotShared(CheckpointSaveError):
     longer have the bytes they have there (changed without a version counter seeing it). Nothing was committed:
     save again with a fresh ``.data``."""
 
-    def __init__(self, path: str, names: list[str]) -> None:
-        why = (f"frozen tensor {names[0]!r} ({len(names)} in all) changed although its version did not" if names
-               else "the shared .data file cannot be linked here")
+    def __init__(self, path: str, names: list[str], why: str = "") -> None:
+        why = why or (f"frozen tensor {names[0]!r} ({len(names)} in all) changed although its version did not"
+                      if names else "the shared .data file cannot be linked here")
         super().__init__(why, path)
         self.names = names
+
+
+class SharedTooLarge(NotShared):
+    """Everything but the shared frozen tensors kept inline would pass the FlatBuffers 2 GiB limit: the plan cannot
+    be carried out. Nothing was written; the caller saves as ``external_data="auto"`` does without sharing."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, [], "the checkpoint would pass 2 GiB with everything but the shared frozen tensors "
+                                   "inline")
 
 
 def carried_out(shared: SharedFrozen, linked: list[tuple[str, str | None, bool]], digests: dict[str, int],
@@ -321,6 +330,22 @@ def keep_reserve(data: str, expected: Identity) -> str | None:
         return name if identity(os.stat(name, follow_symlinks=False)) == expected else None
     except OSError:
         return None
+
+
+def looked_at(path: str) -> os.stat_result | None:
+    """The name ``path`` as it is now, its symbolic link not followed (None where nothing is there): how sharing
+    tells a ``.data`` name's inode, change time and link count (``lightning_ort_ckpt._frozen_copies``)."""
+    try:
+        return os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def drop_name(path: str) -> None:
+    """Delete the hidden name ``path`` (a reserve, or a copy written ahead that no save linked); one already gone is
+    fine. The inode goes with its last name: a checkpoint's names keep it."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def reserves(directory: str) -> list[str]:

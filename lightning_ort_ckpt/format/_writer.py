@@ -40,7 +40,7 @@ from ._dtypes import DataType, from_numpy, from_torch
 from ._flatbuffers import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from ._platform import portable_io
 from ._store import StorageOptions, Store, store_for
-from ._shared_data import NotShared, SavedData, SharedFrozen, carried_out
+from ._shared_data import NotShared, SavedData, SharedFrozen, SharedTooLarge, carried_out
 from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot, OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
 ExternalData = Literal["auto", "never", "params", "all"]
@@ -71,9 +71,10 @@ def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str]
     what ORT would write for the same state.
 
     ``shared`` (with ``external_data="auto"``): the frozen tensors it names go to a ``.data`` file that later saves
-    can share, or that is a hard link to an earlier save's (see ``shared``; :class:`shared.NotShared` when that link
-    cannot be made or a linked tensor's bytes changed: nothing is committed); everything else stays inline. What was
-    put there is returned, or None where the file would pass 2 GiB that way and was written as ``"auto"`` writes it.
+    can share, or that is a hard link to an earlier save's (see ``shared``); everything else stays inline. What was
+    put there is returned (None without ``shared``). The writer carries the plan out as given: where it cannot (no
+    link here, a linked tensor's bytes changed, or the rest inline would pass 2 GiB: :class:`shared.SharedTooLarge`)
+    it raises :class:`shared.NotShared` and commits nothing; what to save instead is the caller's choice.
     """
     path = os.fspath(path)
     if storage_options is not None:
@@ -83,15 +84,9 @@ def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str]
                       "storage_options) (lightning_ort_ckpt.format._store)", DeprecationWarning, stacklevel=2)
     if store is None:
         store = store_for(path, storage_options)
-    if shared is not None and not store.links:
+    if shared is not None and (external_data != "auto" or not store.links):
         raise NotShared(path, [])
-    if shared is not None and external_data == "auto":
-        try:
-            return _save(checkpoint, path, store, "auto", checksums, shared)
-        except _SharedTooLarge:
-            pass
-    _save(checkpoint, path, store, external_data, checksums, None)
-    return None
+    return _save(checkpoint, path, store, external_data, checksums, shared)
 
 
 def _save(checkpoint: CheckpointContents, path: str, store: Store, external_data: ExternalData, checksums: bool,
@@ -155,10 +150,6 @@ def _to_verify(shared: SharedFrozen | None, plan: _Plan, tensors: _Tensors) -> l
     if shared is None:
         return []
     return [k for k in plan.linked if shared.rehash(tensors.entries[k].name, tensors.entries[k].checksum_key)]
-
-
-class _SharedTooLarge(Exception):
-    """Keeping everything but the shared frozen tensors inline would pass 2 GiB."""
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
@@ -321,7 +312,7 @@ def _plan_for_mode(ck: CheckpointContents, tensors: _Tensors, mode: ExternalData
         try:
             return _Planner(tensors, False, False, checksums, shared).plan(ck)
         except LayoutTooLarge:
-            raise _SharedTooLarge from None
+            raise SharedTooLarge(path) from None
     for params_out, momentums_out in choices[mode]:
         tensors.entries.clear()
         try:
