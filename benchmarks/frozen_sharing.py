@@ -34,6 +34,10 @@ hashes the frozen tensors again (the default), one that trusts them (``"trusted"
 alone. Targets: the average of the second and later sharing saves is at most 1.5x the baseline's (issue 24: the
 fresh copies and read-backs included; run enough saves that they recur: ``--saves 24``), and the k files kept use at
 most two copies of the frozen part plus k times the rest (the largest main file), each rounded up to a 4 KiB block.
+
+Last, the costs of issue 32 (``healing``): a full load of a checkpoint whole, with one frozen tensor damaged in its
+``.data`` (read from the other copy), with its ``.data`` truncated (every frozen tensor from the other copy), and the
+``repair`` that makes it whole again (docs/performance.md, "Reads that heal and the repair").
 """
 
 from __future__ import annotations
