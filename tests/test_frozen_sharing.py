@@ -342,7 +342,7 @@ def test_no_hard_links_falls_back_to_whole_files(tmp_path: Path, monkeypatch: py
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno_, os.strerror(errno_))
 
-    monkeypatch.setattr(shared.os, "link", refuse)
+    monkeypatch.setattr(os, "link", refuse)
     _, _, states = fit(tmp_path, steps=3, save_last=True)
     files = checkpoints(tmp_path)
     assert len({inode(p) for p in files}) == len(files) == 4

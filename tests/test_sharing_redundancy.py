@@ -206,7 +206,7 @@ def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, 
         def refuse(*args: Any) -> int:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
 
-        monkeypatch.setattr(shared.os, "sendfile", refuse)
+        monkeypatch.setattr(os, "sendfile", refuse)
     expected = shared.identity(os.stat(source))
     tmp = str(tmp_path / ".copy.tmp")
     assert shared.write_copy(source, expected, tmp, copy.offsets, copy.layout, copy.digests) == (True, [])
@@ -436,7 +436,7 @@ def test_link_refused_midway_writes_whole_files_and_earlier_ones_load(tmp_path: 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno_, os.strerror(errno_))
 
-    monkeypatch.setattr(shared.os, "link", refuse)
+    monkeypatch.setattr(os, "link", refuse)
     later = [tmp_path / f"late={i}.ckpt" for i in range(4)]
     for i, p in enumerate(later):
         save(sh, module, p, f"late {i}")
