@@ -95,7 +95,7 @@ class ShardStager:
     def prepare_like(self, flat: dict[str, torch.Tensor]) -> None:
         """Allocate (and touch) on a thread of its own a buffer for each key of ``flat`` (DCP keys to tensors and
         DTensors, as :meth:`stage` takes them), for the first save of that state to copy into."""
-        self._join()
+        self._join()  # an allocation still running: its keys have memory already
         self._start(self._allocate_keyed, {key: _spec(t) for key, t in flat.items() if key not in self._buffers})
 
     def _start(self, target: Callable[[Any], None], specs: Any) -> None:
