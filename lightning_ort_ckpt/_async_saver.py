@@ -161,7 +161,16 @@ class BackgroundSaves:
         self._queue.submit(fn, *args)
 
     def prepare(self, sources: Sources) -> None:
-        self._stager.prepare(sources)
+        """The staging memory, and the writer thread, ready ahead of the first save: both from the first optimizer
+        step that finds ``sources`` (while saves are asynchronous)."""
+
+        def found() -> tuple[list[Any], list[Any]] | None:
+            what = sources()
+            if what is not None and self._queue is None:
+                self._queue = BackgroundQueue()
+            return what
+
+        self._stager.prepare(found)
 
     def join(self) -> None:
         if self._queue is not None:

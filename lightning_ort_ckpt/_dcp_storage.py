@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _dcp_metadata
-from ._dcp_staging import ShardStager, stage_tree
+from ._dcp_staging import ShardStager, prepare_tree, stage_tree
 from ._dcp_metadata import SHARD, Location, dtype_of
 from ._translation import values
 from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
@@ -111,8 +111,8 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
     :func:`save_sharded`, the encoded tree of the save (the coordinator's is kept).
 
     As DCP's stager (``dcp.async_save(state, storage_writer=writer)``): the state is copied into CPU memory the
-    writer keeps from save to save (allocated by the first, reused by the next ones; :meth:`close` frees it), and
-    ``async_save`` returns once that copy is done."""
+    writer keeps from save to save (allocated by the first, or ahead of it by :meth:`allocate_staging`, reused by the
+    next ones; :meth:`close` frees it), and ``async_save`` returns once that copy is done."""
 
     _synchronize_after_execute = False
 
@@ -136,6 +136,11 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """DCP's ``AsyncStager.stage``: a copy of ``state_dict`` that training cannot change, in reused memory."""
         return stage_tree(self._stager, state_dict)
+
+    def allocate_staging(self, state_dict: dict[str, Any]) -> None:
+        """Allocate, on a thread of its own, the staging memory of ``dcp.async_save(state_dict, storage_writer=self)``
+        (a state of the same keys and shapes), so that the first one copies into memory that is there already."""
+        prepare_tree(self._stager, state_dict)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: :meth:`stage` returns once its copies are complete."""

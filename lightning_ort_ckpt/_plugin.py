@@ -283,7 +283,7 @@ class OrtCheckpointIOMixin:
         if self._unwrap is not None:
             self._unwrap()
         self._unwrap = _strategies.attach(strategy, self)
-        self._executor.prepare(self._staged_sources)
+        self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
         """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
@@ -298,8 +298,10 @@ class OrtCheckpointIOMixin:
 
     def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
         """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate
-        its memory ahead of the first save; None under the strategies whose state is sharded or gathered
-        (``_strategies``: reading it is a collective, which a thread must not start)."""
+        its memory ahead of the first save; None while saves are synchronous, and under the strategies whose state
+        is sharded or gathered (``_strategies``: reading it is a collective, which a thread must not start)."""
+        if not self.async_save:
+            return None
         strategy = self._owner_strategy()
         if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
             return None

@@ -305,6 +305,11 @@ class Stager:
             self._hooked = False
             _HOOK.release()
 
+    def ready(self) -> bool:
+        """Whether the next save finds memory to copy into (allocated ahead, or the previous save's), without
+        waiting for an allocation still running."""
+        return (self._preparing is None or not self._preparing.is_alive()) and bool(self._spares or self._buffers)
+
     def prepare(self, sources: Callable[[], tuple[list[torch.Tensor], list[torch.optim.Optimizer]] | None]) -> None:
         """Allocate (and touch, or pin) the first save's staging memory ahead of it, on a background thread.
 
@@ -419,7 +424,7 @@ class Stager:
 
         # memory: the previous save's buffer of the same name, else one allocated ahead, else new (one block)
         buffers, self._buffers = self._buffers, {}
-        spares, self._spares = self._spares, {}  # those this save does not take are freed (pinned: at close)
+        spares, self._spares = self._spares, {}
         specs = {where: _spec(t) for where, t in entries.items()}
         chosen: dict[str, torch.Tensor] = {}
         reused: set[str] = set()
@@ -434,13 +439,19 @@ class Stager:
                 chosen[where] = free.pop()
             else:
                 missing.append(where)
-        chosen.update(zip(missing, self._allocate([specs[w] for w in missing], touch=False)))
+        waited = False
+        if missing:  # the state changed shape (or nothing was allocated ahead): one copy at a time still
+            if len(reused) < len(buffers):  # the previous save may still write from the buffers dropped here
+                wait_for_buffers()
+                waited = True
+            buffers.clear()  # those no save took are freed before new ones are allocated (pinned ones: at close)
+            spares.clear()
+            chosen.update(zip(missing, self._allocate([specs[w] for w in missing], touch=False)))
 
         defer = {t.data_ptr() for t in deferrable}
         live_memory = defer | {t.data_ptr() for t in live}
         job = _Copy(path)
         sources, self._sources = self._sources, {}
-        waited = False
         streams_waited: set[torch.device] = set()
         for where, t in entries.items():
             buffer = chosen[where]

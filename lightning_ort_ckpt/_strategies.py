@@ -98,9 +98,8 @@ def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
         return None
     from ._dcp_staging import ShardStager
 
-    stager = ShardStager()  # the staging memory of asynchronous sharded saves
-    if plugin.async_save:
-        stager.prepare(lambda: _local_shards(strategy) if kind(strategy) == "sharded" else None)
+    stager = ShardStager()  # the staging memory of asynchronous sharded saves, allocated while async_save is on
+    stager.prepare(lambda: _local_shards(strategy) if plugin.async_save and kind(strategy) == "sharded" else None)
 
     def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if kind(strategy) == "sharded":
@@ -136,9 +135,9 @@ def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
 
 def _local_shards(strategy: Any) -> tuple[list[torch.Tensor], list[Any]] | None:
     """What an asynchronous sharded save will stage, without a collective: the module's parameters (DTensors: each
-    rank's shard) and the optimizers (``_dcp_staging.ShardStager.prepare``)."""
+    rank's shard), its buffers and the optimizers (``_dcp_staging.ShardStager.prepare``)."""
     module = strategy.lightning_module
-    return None if module is None else (list(module.parameters()), list(strategy.optimizers))
+    return None if module is None else ([*module.parameters(), *module.buffers()], list(strategy.optimizers))
 
 
 def gathers(strategy: Any) -> bool:
