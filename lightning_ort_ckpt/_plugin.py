@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any, Literal
 
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
@@ -46,7 +46,7 @@ from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
-from .format import CheckpointContents, save_checkpoint
+from .format import CheckpointContents
 from .format._store import StorageOptions, Store, local_path, store_for, wait_for_cleanup
 from .format._writer import ExternalData
 
@@ -135,14 +135,12 @@ class OrtCheckpointIOMixin:
         path = local_path(path)
         ck, strategy = self._contents(checkpoint, path)
         module = strategy.lightning_module if strategy is not None else None
-        shares = (module is not None and self.share_frozen and self.external_data == "auto"
-                  and store_for(path, options).links)
-        snap = self._sharing.snapshot(ck, path, module) if shares and module is not None else None
+        store = store_for(path, options)
+        decided = self._sharing.decide(ck, path, module if self.share_frozen else None, self.external_data, store)
         ck, keep = self._executor.own(
             ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
-            module.state_dict(keep_vars=True).values() if module is not None else [], self.wait,
-            snap.keep if snap is not None else frozenset())
-        self._executor.run(self._write, ck, path, snap, options, keep)
+            module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, decided.keep)
+        self._executor.run(decided.write, ck, path, keep, store)
 
     def _contents(self, checkpoint: dict[str, Any], path: str) -> tuple[CheckpointContents, Any]:
         """What is saved, as ORT contents, and the strategy whose live module holds its tensors (None for a gathered
@@ -162,14 +160,6 @@ class OrtCheckpointIOMixin:
         info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
         return (to_ort(checkpoint, info, ort_compatible=self.ort_compatible),
                 None if _strategies.gathers(strategy) else strategy)
-
-    def _write(self, ck: CheckpointContents, path: str, snap: _sharing.Snapshot | None, options: StorageOptions,
-               keep: Collection[str]) -> None:
-        store = store_for(path, options)
-        if snap is not None:
-            self._sharing.save(ck, path, snap, self.external_data, keep, store)
-        else:
-            save_checkpoint(ck, path, store=store, external_data=self.external_data)
 
     # -- loading ------------------------------------------------------------------------------------------------
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,

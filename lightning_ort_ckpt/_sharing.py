@@ -157,6 +157,15 @@ class FrozenSharing:
         self._worker: ThreadPoolExecutor | None = None  # background copies and read-backs; stopped by close()
         self._unlinkable: set[str] = set()  # directories where the last link was refused: no copies written ahead
 
+    def decide(self, ck: CheckpointContents, path: str, module: torch.nn.Module | None, external_data: ExternalData,
+               store: Store) -> Decision:
+        """The one decision of a save call, on the training thread: what it may share (only with ``module``, the live
+        module whose tensors ``ck`` holds, with ``external_data="auto"`` and a store that links), carried out later by
+        :meth:`Decision.write` wherever the save runs."""
+        shares = module is not None and external_data == "auto" and store.links
+        return Decision(self, self.snapshot(ck, path, module) if shares and module is not None else None,
+                        external_data)
+
     def snapshot(self, ck: CheckpointContents, path: str, module: torch.nn.Module) -> Snapshot | None:
         """On the training thread, at the save call: the frozen tensors of ``ck`` that are the module's own and
         large enough, or None when there is too little to share (the plugin asks only where the store can link)."""
@@ -357,6 +366,27 @@ class FrozenSharing:
         for c in self._copies[directory]:
             if data in c.names:
                 c.leaving += 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A save as :meth:`FrozenSharing.decide` decided it at the call: the frozen parameters an asynchronous save need
+    not copy (:attr:`keep`), and the write that carries the decision out (:meth:`write`)."""
+
+    sharing: FrozenSharing
+    snap: Snapshot | None  # None: nothing shared, the file is written whole
+    external_data: ExternalData
+
+    @property
+    def keep(self) -> frozenset[str]:
+        return frozenset(self.snap.keep) if self.snap is not None else frozenset()
+
+    def write(self, ck: CheckpointContents, path: str, kept: Collection[str], store: Store) -> None:
+        """Write ``ck`` to ``path``; ``kept``: the frozen parameters of :attr:`keep` that it holds live, not staged."""
+        if self.snap is None:
+            save_checkpoint(ck, path, store=store, external_data=self.external_data)
+        else:
+            self.sharing.save(ck, path, self.snap, self.external_data, kept, store)
 
 
 def _torch(ck: CheckpointContents, name: str) -> torch.Tensor:
