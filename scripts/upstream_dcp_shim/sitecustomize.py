@@ -3,9 +3,10 @@
 ``scripts/upstream_dcp.sh`` puts this folder on ``PYTHONPATH``, so Python imports it at start-up in the test runner
 AND in every process a ``MultiProcessTestCase`` spawns (they inherit the environment). ``UPSTREAM_DCP_STORAGE``:
 ``ours`` swaps in subclasses of ``OrtStorageWriter`` / ``OrtStorageReader`` that take ``FileSystemWriter``'s and
-``FileSystemReader``'s arguments; ``stock`` (the control run) changes nothing. ``UPSTREAM_DCP_CPU=1`` also lifts
-the tests' "needs N GPUs" gates (``skip_if_lt_x_gpu``) so that the DTensor cases written for GPUs run on CPU with
-gloo; tests that need CUDA itself still fail or skip there.
+``FileSystemReader``'s arguments; ``stock`` (the control run) keeps DCP's own. In both, a test gated on N GPUs
+(``skip_if_lt_x_gpu``) is skipped before its processes are spawned rather than in each of them (the same verdict,
+minutes sooner on a small machine). ``UPSTREAM_DCP_CPU=1`` lifts those gates instead, so that the DTensor cases
+written for GPUs run on CPU with gloo; tests that need CUDA itself still fail or skip there.
 """
 
 from __future__ import annotations
@@ -55,18 +56,25 @@ def _swap() -> None:
                 setattr(module, attr, ours[attr])
 
 
-def _lift_gpu_gates() -> None:
+def _gate_gpus(lift: bool) -> None:
+    """``skip_if_lt_x_gpu`` as unittest's own skip (seen by the runner before ``setUp`` spawns the ranks), or,
+    ``lift``, as nothing."""
+    import unittest
+
+    import torch
     import torch.testing._internal.common_distributed as common_distributed
     import torch.testing._internal.distributed._tensor.common_dtensor as common_dtensor
 
     def skip_if_lt_x_gpu(n: int) -> Any:
-        return lambda func: func
+        if lift:
+            return lambda func: func
+        return unittest.skipIf(torch.cuda.device_count() < n, f"Need at least {n} CUDA devices")
 
     for module in (common_distributed, common_dtensor):
         module.skip_if_lt_x_gpu = skip_if_lt_x_gpu  # type: ignore[attr-defined]
 
 
-if os.environ.get("UPSTREAM_DCP_CPU") == "1":
-    _lift_gpu_gates()
+if os.environ.get("UPSTREAM_DCP_STORAGE") in ("ours", "stock"):
+    _gate_gpus(lift=os.environ.get("UPSTREAM_DCP_CPU") == "1")
 if os.environ.get("UPSTREAM_DCP_STORAGE") == "ours":
     _swap()
