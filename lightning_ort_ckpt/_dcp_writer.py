@@ -103,7 +103,7 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if not self.overwrite and any(self.store.exists(join(self.path, name))
                                       for name in (METADATA_NAME, rank_metadata_name(self.rank))):
-            raise CheckpointSaveError("a checkpoint exists here already and the writer has overwrite=False", self.path)
+            raise CheckpointSaveError("Checkpoint already exists here and the writer has overwrite=False", self.path)
         if not self.use_collectives:
             if self.store.exists(join(self.path, METADATA_NAME)):
                 raise CheckpointSaveError(f"a save without collectives (use_collectives=False) would leave this "
