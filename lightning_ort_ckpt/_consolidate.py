@@ -1,7 +1,7 @@
 """One ORT checkpoint file from a sharded checkpoint directory, a tensor at a time.
 
 ORT's ``CheckpointState`` is one file (with ``.data`` past 2 GiB); a sharded save is a directory of shard files
-(``_dcp_storage``). :func:`consolidate` decodes the saved tree with a stand-in for each large tensor (a one-element
+(``_dcp_folder``). :func:`consolidate` decodes the saved tree with a stand-in for each large tensor (a one-element
 tensor expanded to the saved shape: the right type and shape, no memory), translates it as any Lightning save is
 translated (``to_ort``: trainable parameters, ORT's ``group0`` optimizer state, the manifest), then hands the writer
 a :class:`~.format.Deferred` in place of each stand-in: the writer assembles that tensor from its chunks (checksums
@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from ._dcp_storage import ShardFiles, dtype_of, is_sharded_checkpoint, read_metadata
+from ._dcp_folder import is_sharded_checkpoint, read_metadata
+from ._dcp_metadata import dtype_of
+from ._dcp_reader import ShardFiles
 from ._translation import values
 from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointError, CorruptCheckpointError

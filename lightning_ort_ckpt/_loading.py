@@ -46,7 +46,7 @@ def single_file(path: str | os.PathLike[str]) -> Iterator[str]:
         yield path
         return
     from ._consolidate import single_file as consolidated
-    from ._dcp_storage import read_metadata
+    from ._dcp_folder import read_metadata
 
     read_metadata(path)
     with consolidated(path) as single:

@@ -102,7 +102,7 @@ def _folder(store: Store, path: str, storage_options: StorageOptions | None) -> 
     meta = store.join(path, FOLDER_COMMIT_NAME)
     if not store.exists(meta):
         return Entry(path, Kind.FOLDER, State.HALF, saved=store.modified(path))
-    from ._dcp_storage import read_metadata  # a sharded checkpoint's metadata document, checked
+    from ._dcp_folder import read_metadata  # a sharded checkpoint's metadata document, checked
 
     step = epoch = problem = None
     try:

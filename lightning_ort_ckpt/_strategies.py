@@ -110,7 +110,7 @@ def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
                      storage_options=storage_options)
 
     def load(original: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from ._dcp_storage import is_sharded_checkpoint
+        from ._dcp_folder import is_sharded_checkpoint
         from ._reading import is_ort_checkpoint
 
         path = str(strategy.broadcast(checkpoint_path))

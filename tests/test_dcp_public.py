@@ -163,6 +163,20 @@ def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path: Path) -> None:
         OrtStorageWriter(tmp_path / "d", thread_count=0)
 
 
+def test_overwrite_false_says_what_dcps_writer_says(tmp_path: Path) -> None:
+    """Code written for ``FileSystemWriter`` recognises the refusal by DCP's words (PyTorch's e2e ``test_overwrite``
+    matches "Checkpoint already exists"): both writers' refusals, side by side, carry them."""
+    messages = []
+    for name, writer in (("dcp", dcp.FileSystemWriter), ("ours", OrtStorageWriter)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's writer warns that overwrite's default will change
+            dcp.save({"x": torch.ones(2)}, storage_writer=writer(tmp_path / name))
+        with pytest.raises(CheckpointException) as refused:
+            dcp.save({"x": torch.zeros(2)}, storage_writer=writer(tmp_path / name, overwrite=False))
+        messages.append(str(refused.value))
+    assert all("Checkpoint already exists" in m for m in messages), messages
+
+
 def test_validate_checkpoint_id_knows_our_folders_from_others(tmp_path: Path) -> None:
     _save({"x": torch.ones(2)}, tmp_path / "ours")
     dcp.save({"x": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path / "theirs"))

@@ -19,7 +19,7 @@ from .._platform import portable_io
 
 DATA_SUFFIX = ".data"
 FOLDER_COMMIT_NAME = "checkpoint.ort-meta"
-"""The file whose presence makes a folder a checkpoint (a sharded one: ``_dcp_storage.METADATA_NAME``); a store that
+"""The file whose presence makes a folder a checkpoint (a sharded one: ``_dcp_folder.METADATA_NAME``); a store that
 deletes a folder object by object deletes it first."""
 JOURNAL_SUFFIX = ".commit"
 
