@@ -162,9 +162,9 @@ class FrozenSharing:
         """The one decision of a save call, on the training thread: what it may share (only with ``module``, the live
         module whose tensors ``ck`` holds, with ``external_data="auto"`` and a store that links), carried out later by
         :meth:`Decision.write` wherever the save runs."""
-        shares = module is not None and external_data == "auto" and store.links
-        return Decision(self, self.snapshot(ck, path, module) if shares and module is not None else None,
-                        external_data)
+        if module is None or external_data != "auto" or not store.links:
+            return Decision(self, None, external_data)
+        return Decision(self, self.snapshot(ck, path, module), external_data)
 
     def snapshot(self, ck: CheckpointContents, path: str, module: torch.nn.Module) -> Snapshot | None:
         """On the training thread, at the save call: the frozen tensors of ``ck`` that are the module's own and

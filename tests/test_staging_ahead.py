@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +119,19 @@ def _contents(**tensors: torch.Tensor) -> CheckpointContents:
     return CheckpointContents(trainable=dict(tensors))
 
 
+def _an_unused_spare(stager: Any, spec: Callable[[torch.Tensor], Any]) -> weakref.ref[torch.Tensor]:
+    """Give ``stager`` one buffer allocated ahead for a shape no save here has; only a weak reference stays."""
+    unused = torch.zeros(1000)
+    stager._spares = {spec(unused): [unused]}
+    return weakref.ref(unused)
+
+
 def test_a_save_of_other_shapes_frees_what_it_does_not_take_before_allocating() -> None:
     """One staging copy at a time when the state changes shape: the memory allocated ahead for shapes the save does
     not have, and the previous save's buffers of names it lacks (once the previous save is written: the save waits
     for it), are gone when the save allocates its new buffers."""
     stager = _staging.Stager()
-    unused = torch.zeros(1000)
-    stager._spares = {_staging._spec(unused): [unused]}
-    gone = weakref.ref(unused)
-    del unused
+    gone = _an_unused_spare(stager, _staging._spec)
     seen: list[bool] = []
     waits: list[str] = []
     allocate = stager._allocate
@@ -189,10 +194,7 @@ def test_shard_staging_is_allocated_ahead_only_while_saves_are_asynchronous() ->
 
 def test_shard_staging_frees_what_a_save_does_not_take_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
     stager = _dcp_staging.ShardStager()
-    unused = torch.zeros(1000)
-    stager._spares = {_dcp_staging._spec(unused): [unused]}
-    gone = weakref.ref(unused)
-    del unused
+    gone = _an_unused_spare(stager, _dcp_staging._spec)
     seen: list[bool] = []
     new = _dcp_staging._new
 
