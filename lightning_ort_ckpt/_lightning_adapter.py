@@ -7,7 +7,8 @@ smoke tests on the floor, the whole suite runs on the newest.
 Three kinds of use:
 
 - **reads and calls** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`,
-  :func:`logger_log_model`, :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`) and
+  :func:`logger_log_model`, :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`,
+  :func:`train_loaders`, :func:`prefetched_batches`) and
   of the fit loop's private state layout (:func:`fit_loop_state_at_step`): functions here;
 - **overrides and calls** of ``ModelCheckpoint``'s private methods by ``OrtCheckpoint``: listed in
   :data:`MODEL_CHECKPOINT_PRIVATE` (the tests check that every supported Lightning has them);
@@ -16,7 +17,8 @@ Three kinds of use:
   (torch.distributed.checkpoint, ``torch.load``); while an ``OrtCheckpointIO`` is bound to such a strategy
   instance, these methods (and ``teardown``, which ends the plugin's work too) are ours (``_strategies``), set on
   that instance only and removed at the plugin's ``teardown``. The strategy's save mode is read here
-  (:func:`sharded_state_dict`);
+  (:func:`sharded_state_dict`). Every strategy a plugin is bound to has its ``process_dataloader`` wrapped the same
+  way (:func:`wrap_process_dataloader`), to learn the training loaders before their first iterator is drawn;
 - **the "last" wrap** of ``_CheckpointConnector._parse_ckpt_path`` (:data:`LAST_RESOLUTION`), on while an
   ``OrtCheckpoint`` exists: ``ckpt_path="last"``, where every checkpoint callback of the Trainer is an
   ``OrtCheckpoint`` (one) and no ``OnExceptionCheckpoint`` competes, is the checkpoint that callback resolves.
@@ -189,6 +191,44 @@ def restart_train_iterator(trainer: Any) -> None:
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if fetcher is not None:
         iter(fetcher)
+
+
+def wrap_process_dataloader(strategy: Any, watch: Callable[[Any], None]) -> Callable[[], None]:
+    """Have ``strategy.process_dataloader`` (this instance only) hand every loader it returns to ``watch``: the last
+    step Lightning takes on a loader before the fit loop draws its first iterator (``_data_position``). Returns
+    what puts Lightning's method back."""
+    original = getattr(strategy, "process_dataloader")
+
+    def process_dataloader(dataloader: Any) -> Any:
+        processed = original(dataloader)
+        watch(processed)
+        return processed
+
+    setattr(process_dataloader, _MARK, True)
+    strategy.__dict__["process_dataloader"] = process_dataloader
+
+    def unwrap() -> None:
+        if strategy.__dict__.get("process_dataloader") is process_dataloader:
+            del strategy.__dict__["process_dataloader"]
+
+    return unwrap
+
+
+def train_loaders(trainer: Any) -> list[Any]:
+    """The training loaders the fit loop draws batches from (its combined loader's, in order); [] before it has
+    them."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+def prefetched_batches(trainer: Any) -> int:
+    """How many batches the fit loop's data fetcher holds ahead of training (a loader without a length)."""
+    return len(getattr(getattr(trainer.fit_loop, "_data_fetcher", None), "batches", None) or ())
+
+
+def train_batches_done(trainer: Any) -> int:
+    """How many batches of the current epoch the fit loop has trained (its batch progress)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
 
 def fitting(strategy: Any) -> bool:

@@ -42,6 +42,7 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from . import _fabric, _lightning_adapter, _rng, _sharing, _staging, _strategies, _train_start
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
+from ._data_position import DATA_KEY, TrainData
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
@@ -51,7 +52,8 @@ from .format._store import StorageOptions, Store, local_path, store_for, wait_fo
 from .format._writer import ExternalData
 
 _EXTERNAL_DATA = ("auto", "never", "params", "all")
-_SETTINGS = ("external_data", "ort_compatible", "async_save", "share_frozen", "storage_options")
+_SETTINGS = ("external_data", "ort_compatible", "async_save", "share_frozen", "storage_options",
+             "fast_forward_iterables")
 
 
 class OrtCheckpointIOMixin:
@@ -73,11 +75,14 @@ class OrtCheckpointIOMixin:
             turns sharing off.
         storage_options: fsspec's options for checkpoint URLs (``s3://...``; credentials, ``client_kwargs``...),
             see ``format._fsspec_store``; a ``storage_options`` Lightning passes to a save is merged over them.
+        fast_forward_iterables: a fit resumed inside an epoch reads and drops the batches already trained from a
+            training loader of an ``IterableDataset`` (which has no sampler to skip them at); by default it warns
+            that they are trained again. Map-style loaders skip at the sampler, without reading (``_data_position``).
     """
 
     def __init__(self, external_data: ExternalData = "auto", ort_compatible: bool = False,
                  async_save: bool = False, share_frozen: bool | Literal["trusted"] = True,
-                 storage_options: StorageOptions | None = None) -> None:
+                 storage_options: StorageOptions | None = None, fast_forward_iterables: bool = False) -> None:
         if share_frozen not in (True, False, "trusted"):
             raise CheckpointConfigError(f'share_frozen must be True, False or "trusted", got {share_frozen!r}')
         if external_data not in _EXTERNAL_DATA:
@@ -90,6 +95,7 @@ class OrtCheckpointIOMixin:
         self.ort_compatible = ort_compatible
         self.share_frozen = share_frozen
         self.storage_options = storage_options
+        self.fast_forward_iterables = fast_forward_iterables
         self._start(async_save)
 
     def _start(self, async_save: bool) -> None:
@@ -102,6 +108,7 @@ class OrtCheckpointIOMixin:
         self._unwrap: Any = None  # puts a sharded strategy's own save and load back (``_strategies.attach``)
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._resume_rng: tuple[Any, Any, str] | None = None  # (random states, epoch, path) to restore at train start
+        self._data: TrainData | None = None  # the data positions of the bound strategy's fits
         hold_ort_loading(self)
         _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
@@ -111,6 +118,7 @@ class OrtCheckpointIOMixin:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         async_save = state.pop("async_save")
+        state.setdefault("fast_forward_iterables", False)
         self.__dict__.update(state)
         self._start(async_save)
 
@@ -149,7 +157,7 @@ class OrtCheckpointIOMixin:
         if fabric is not None:  # no random states: Fabric leaves them to the script
             return to_ort(fabric[0], fabric[1], ort_compatible=self.ort_compatible), None
         strategy = self._owner_strategy(checkpoint.get("state_dict"))
-        checkpoint = {**checkpoint, RNG_KEY: _rng.capture()}
+        checkpoint = {**checkpoint, RNG_KEY: _rng.capture(), **self.data_position()}
         if strategy is None or strategy.lightning_module is None:
             warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
                           "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "
@@ -176,13 +184,21 @@ class OrtCheckpointIOMixin:
         checkpoint = to_lightning(found, path, strategy) if isinstance(found, CheckpointContents) else found
         return _fabric.fabric_state(map_location_of(self.loaded(checkpoint, path), map_location))
 
+    def data_position(self) -> dict[str, Any]:
+        """``{DATA_KEY: where each training loader of the bound fit stands}``, or ``{}`` outside a fit."""
+        position = self._data.position() if self._data is not None else None
+        return {DATA_KEY: position} if position is not None else {}
+
     def loaded(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
         """``checkpoint`` (read from ``path``) is what the bound fit resumes from: its random states are restored
-        when training starts (:meth:`restore_random_states`). Returns it."""
+        when training starts (:meth:`restore_random_states`), and its training loaders start where they stood
+        (``_data_position``). Returns it."""
         strategy = self._owner_strategy()
         states = checkpoint.get(RNG_KEY)  # left in the dict: a caller may read them
         fitting = strategy is not None and _lightning_adapter.fitting(strategy)
-        self._resume_rng = (states, checkpoint.get("epoch"), path) if states is not None and fitting else None
+        self._resume_rng = (states, checkpoint.get("epoch"), path) if fitting else None
+        if fitting and self._data is not None:
+            self._data.resume_at(checkpoint.get(DATA_KEY), path)
         if self._resume_rng is not None:
             _train_start.restore_at_train_start(_lightning_adapter.trainer_of(strategy.lightning_module), self)
         return checkpoint
@@ -198,7 +214,7 @@ class OrtCheckpointIOMixin:
         ``_train_start.RestoreRandomStates``; see :func:`_train_start.restore`)."""
         pending, self._resume_rng = self._resume_rng, None
         if pending is not None:
-            _train_start.restore(*pending, trainer)
+            _train_start.restore(*pending, trainer, self._data)
 
     # -- the directory ------------------------------------------------------------------------------------------
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -241,6 +257,8 @@ class OrtCheckpointIOMixin:
         errors = [executor.close() for executor in self._executors.values()]
         self._sharing.close()
         self._held = None
+        if self._data is not None:
+            self._data.end_fit()
         unwrap, self._unwrap = self._unwrap, None
         if unwrap is not None:
             unwrap()
@@ -273,6 +291,9 @@ class OrtCheckpointIOMixin:
         if self._unwrap is not None:
             self._unwrap()
         self._unwrap = _strategies.attach(strategy, self)
+        if self._data is not None:
+            self._data.close()
+        self._data = TrainData(strategy, self.fast_forward_iterables)
         self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:

@@ -20,6 +20,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from . import _lightning_adapter
 from ._namespaces import loaded, namespace_of
+from ._data_position import DATA_KEY
 from ._rng import RNG_KEY
 from ._torch_files import load_torch_file
 from ._translation.lightning_dict import MANIFEST, from_ort, plain_ort_to_lightning, with_aliases
@@ -161,6 +162,7 @@ def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = Non
     weights hand-back, see ``_lightning_adapter.OrtLoading``): no random states left in."""
     checkpoint = read_lightning_checkpoint(path)
     checkpoint.pop(RNG_KEY, None)
+    checkpoint.pop(DATA_KEY, None)
     return map_location_of(checkpoint, map_location)
 
 

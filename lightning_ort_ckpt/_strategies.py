@@ -55,6 +55,10 @@ class Plugin(Protocol):
 
     def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
+    def data_position(self) -> dict[str, Any]:
+        """The fit's data position, keyed as a checkpoint keeps it (empty outside a fit)."""
+        ...
+
     def wait(self) -> None: ...
 
     def teardown(self) -> None: ...
@@ -171,7 +175,7 @@ def save_sharded_checkpoint(strategy: Any, plugin: Plugin, checkpoint: dict[str,
 
     plugin.wait()
     path = str(strategy.broadcast(str(filepath)))
-    state = {**checkpoint, WORLD_SIZE_KEY: strategy.world_size,
+    state = {**checkpoint, **plugin.data_position(), WORLD_SIZE_KEY: strategy.world_size,
              RNG_KEY: {_rank_key(strategy.global_rank): pack_random_states(_rng.capture())}}
     tree, flat = flatten(as_dtensors(state), path)
     options = plugin._options(storage_options)

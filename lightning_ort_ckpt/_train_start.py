@@ -46,18 +46,27 @@ def restore_at_train_start(trainer: Any, plugin: Restorer) -> None:
         trainer.callbacks.append(_callback_class(namespace_of(trainer).attr("callbacks.Callback"))(plugin))
 
 
-def restore(states: Any, epoch: Any, path: str, trainer: Any) -> None:
+class DataPositions(Protocol):
+    def check_resumed(self, trainer: Any, inside_epoch: bool) -> None: ...
+
+
+def restore(states: Any, epoch: Any, path: str, trainer: Any, data: DataPositions | None = None) -> None:
     """Restore the random ``states`` a fit resumed from (the file ``path``, saved in ``epoch``) as training starts.
 
     Lightning has built the data loaders by then, from the same random states as the uninterrupted run (a dataset
     drawn in ``train_dataloader()`` is the same), and drawn the training iterator. A file saved inside its epoch
     resumes inside it, where the uninterrupted run had drawn that iterator before the save; a file saved at the end
     of an epoch resumes at the next, whose iterator the uninterrupted run drew after the save: it is drawn again,
-    from the restored states.
+    from the restored states. Inside an epoch, each training loader went on from the batch it stood at (``data``,
+    the data positions: ``_data_position``); a file without random states (ORT's, Fabric's) changes nothing.
     """
-    try:
-        _rng.restore(states)
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-        raise CorruptCheckpointError(f"its saved random states are damaged ({e})", path) from None
-    if not _lightning_adapter.resumed_inside_epoch(trainer, epoch):
+    if states is not None:
+        try:
+            _rng.restore(states)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            raise CorruptCheckpointError(f"its saved random states are damaged ({e})", path) from None
+    inside = _lightning_adapter.resumed_inside_epoch(trainer, epoch)
+    if data is not None:
+        data.check_resumed(trainer, inside)
+    if states is not None and not inside:
         _lightning_adapter.restart_train_iterator(trainer)
