@@ -69,8 +69,7 @@ class TrainData:
 
     def _watch(self, loader: Any) -> None:
         """A loader Lightning prepared: its iterators are made through :meth:`_make` from now on."""
-        if (not isinstance(loader, torch.utils.data.DataLoader) or id(loader) in self._watched
-                or callable(getattr(loader, "load_state_dict", None))):
+        if not isinstance(loader, torch.utils.data.DataLoader) or id(loader) in self._watched or _stateful(loader):
             return
         self._watched[id(loader)] = _Loader(loader)
         _torch_compat.intercept_iterators(loader, lambda original: self._make(loader, original))
@@ -114,7 +113,7 @@ class TrainData:
         done = _lightning_adapter.train_batches_done(trainer)
         entries = saved.get("loaders", []) if isinstance(saved, dict) else []
         for i, dl in enumerate(_lightning_adapter.train_loaders(trainer)):
-            if done == 0 or (i < len(entries) and entries[i] is not None):
+            if done == 0 or (i < len(entries) and entries[i] is not None) or _stateful(dl):
                 continue
             why = ("was saved without its data position (by ORT, Fabric or a version before 0.5)" if saved is None
                    else f"holds no data position for training loader {i} ({type(dl).__name__}, not a DataLoader)")
@@ -235,6 +234,12 @@ class _Drawing:
                     next(self._indices, None)
                 _rng.restore(before)
         return next(self._indices)
+
+
+def _stateful(loader: Any) -> bool:
+    """A loader that saves and restores its own position (Lightning's ``_Stateful``: torchdata's
+    ``StatefulDataLoader``), which Lightning keeps in its loop state."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def _generators(loader: Any) -> list[torch.Generator]:
