@@ -152,6 +152,66 @@ def test_resume_at_epoch_boundary_is_bitwise_the_uninterrupted_run(entry: Entry,
         assert resumed.get_parameter(name) is resumed.get_parameter(alias)
 
 
+# -- (a') saves inside an epoch -> resume ---------------------------------------------------------------------------
+
+KILLS_PER_MODE = 20
+"""Mid-epoch resume points per configuration, spread over the zoo (a fixed seed: the same points every run)."""
+
+
+def _kill_points(mode: str) -> dict[str, list[float]]:
+    """Per entry, where in the run (a fraction of its mid-epoch saves) a crash resumes from."""
+    rng = np.random.default_rng(sum(map(ord, mode)))
+    points: dict[str, list[float]] = {e.name: [] for e in ZOO}
+    for i in range(KILLS_PER_MODE):
+        points[ZOO[i % len(ZOO)].name].append(float(rng.random()))
+    return points
+
+
+def _mid_epoch_saves(saves: Any) -> list[tuple[int, Any]]:
+    """(step, path) of the files saved inside an epoch (not at its last step), by step."""
+    found = [(int(m[2]), int(m[1]), p) for p in saves.glob("*.ckpt")
+             if (m := re.fullmatch(r"epoch=(\d+)-step=(\d+)\.ckpt", p.name))]
+    last_of_epoch = {}
+    for step, epoch, _ in found:
+        last_of_epoch[epoch] = max(step, last_of_epoch.get(epoch, 0))
+    return sorted((step, p) for step, epoch, p in found if step != last_of_epoch[epoch])
+
+
+def assert_same_optimizers(mine: list[Any], theirs: list[Any]) -> None:
+    for a_opt, b_opt in zip(mine, theirs, strict=True):
+        a, b = a_opt.state_dict(), b_opt.state_dict()
+        assert a["param_groups"] == b["param_groups"]
+        for index, state in b["state"].items():
+            for key, value in state.items():
+                assert_same_tensor(torch.as_tensor(a["state"][index][key]), torch.as_tensor(value), f"{index}/{key}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("entry", ZOO, ids=_IDS)
+def test_resume_inside_an_epoch_is_bitwise_the_uninterrupted_run(entry: Entry, mode: str, tmp_path: Any) -> None:
+    """The uninterrupted run saves after every step; a crash at any step resumes from the newest of those files
+    (inside an epoch): weights and optimizer state end bitwise equal, the shuffled batches included."""
+    points = _kill_points(mode)[entry.name]
+    assert points, "KILLS_PER_MODE gives every entry a kill point"
+    saves = tmp_path / "ckpts"
+    saving = (OrtCheckpoint(dirpath=saves, every_n_train_steps=1, save_top_k=-1, **entry.plugin) if mode == "callback"
+              else ModelCheckpoint(dirpath=saves, every_n_train_steps=1, save_top_k=-1))
+    straight = entry.build(0)
+    plugins = [] if mode == "callback" else [OrtCheckpointIO(**entry.plugin)]
+    extra = [BindCheckpointIO()] if mode == "bind" else []
+    pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+               plugins=plugins, callbacks=[saving, *extra], deterministic=True, max_epochs=2,
+               default_root_dir=tmp_path, **entry.trainer).fit(straight, loader(entry))
+    inside = _mid_epoch_saves(saves)
+    for step, path in (inside[int(point * len(inside))] for point in points):
+        resumed = entry.build(7)
+        t, warned = fit(entry, resumed, path, mode=mode, max_epochs=2, default_root_dir=tmp_path / f"r{step}")
+        assert not warned, warned
+        assert t.global_step == straight.trainer.global_step
+        assert_same_state(resumed.state_dict(), straight.state_dict(), f"{entry.name} resumed at step {step}")
+        assert_same_optimizers(t.optimizers, straight.trainer.optimizers)
+
+
 # -- (b) Lightning -> ORT training -> Lightning ----------------------------------------------------------------------
 
 
