@@ -1,0 +1,149 @@
+"""Exact resume inside an epoch with real processes (issue 38): world size 2 (gloo on loopback) under DDP and a
+sharded strategy, and a training process killed with SIGKILL at random steps, resumed with ``ckpt_path="last"``.
+
+A standalone script (written to ``tmp_path``) trains on a dataset of indices that records, per rank, the indices of
+every batch it trains. Under ``strategy="ddp"`` and ``ModelParallelStrategy`` (a sharded checkpoint folder; both
+shuffle through the ``DistributedSampler`` Lightning injects) one launch runs, per strategy, the uninterrupted run
+and the first part of an interrupted one (stopped at a step inside the second epoch, saved there); a second launch,
+in fresh processes, resumes it. Each rank's batches after the resume must be the uninterrupted run's. The SIGKILL
+runs are one process each, killed from inside ``training_step`` (no exception handler runs); the resumed run finds
+the newest checkpoint itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launching import launch_script
+
+SCRIPT = r'''
+import json, os, signal, sys
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from pytorch_lightning.strategies import ModelParallelStrategy
+from lightning_ort_ckpt import OrtCheckpoint
+
+
+class Indexed(Dataset):
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+class Net(pl.LightningModule):
+    def __init__(self, out, name, sharded, kill_at=None):
+        super().__init__()
+        self.out, self.name, self.sharded, self.kill_at = out, name, sharded, kill_at
+        self.l1, self.l2 = nn.Linear(1, 8), nn.Linear(8, 1)
+        self.drop = nn.Dropout(0.3)
+
+    def configure_model(self):
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+            mesh = self.device_mesh["data_parallel"]
+            for m in (self.l1, self.l2):
+                fully_shard(m, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        if self.kill_at is not None and self.global_step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(os.path.join(self.out, f"{self.name}.seen{self.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps([self.global_step, [int(v) for v in batch.flatten().tolist()]]) + "\n")
+        return self.l2(self.drop(torch.tanh(self.l1(batch / 48)))).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def fit(out, kind, name, max_steps, ckpt_path=None, every=3, kill_at=None):
+    pl.seed_everything(0)
+    devices = 1 if kind == "single" else 2
+    strategy = {"single": "auto", "ddp": "ddp",
+                "mp": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)}[kind]
+    cb = OrtCheckpoint(os.path.join(out, kind, "ckpts"), every_n_train_steps=every, save_top_k=-1)
+    trainer = pl.Trainer(max_steps=max_steps, strategy=strategy, devices=devices, accelerator="cpu", logger=False,
+                         callbacks=[cb], num_sanity_val_steps=0, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    loader = DataLoader(Indexed(), batch_size=4, shuffle=True, num_workers=1 if kind == "single" else 0)
+    trainer.fit(Net(out, f"{kind}-{name}", kind == "mp", kill_at), loader, ckpt_path=ckpt_path)
+
+
+out, phase, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+for kind in kinds:
+    if phase == "first":
+        fit(out, kind, "straight", 14, every=100)
+        fit(out, kind, "half", 8, every=8)  # epoch 1 (6 batches per rank and epoch) stopped and saved at step 8
+    elif phase == "resume":
+        fit(out, kind, "resumed", 14, ckpt_path=os.path.join(out, kind, "ckpts", "epoch=1-step=8.ckpt"), every=100)
+    elif phase == "straight":
+        fit(out, kind, "straight", 20, every=100)
+    elif phase.startswith("kill:"):
+        fit(out, kind, phase.replace(":", ""), 20, kill_at=int(phase[5:]))
+    elif phase == "last":
+        fit(out, kind, "last", 20, ckpt_path="last")
+'''
+
+
+def seen(tmp_path: Path, name: str, rank: int = 0) -> list[tuple[int, list[int]]]:
+    lines = (tmp_path / f"{name}.seen{rank}.jsonl").read_text().splitlines()
+    return [tuple(json.loads(line)) for line in lines]  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mid_epoch") / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def run(script: Path, out: Path, phase: str, kinds: str, timeout: float = 300) -> None:
+    launch_script(script, [str(out), phase, kinds], f"the run ({phase} {kinds})", timeout)
+
+
+def test_two_ranks_resume_at_their_batch_under_ddp_and_a_sharded_strategy(script: Path, tmp_path: Path) -> None:
+    run(script, tmp_path, "first", "ddp,mp")
+    for kind in ("ddp", "mp"):
+        assert (tmp_path / kind / "ckpts" / "epoch=1-step=8.ckpt").exists()
+    run(script, tmp_path, "resume", "ddp,mp")
+    for kind in ("ddp", "mp"):
+        for rank in (0, 1):
+            straight = seen(tmp_path, f"{kind}-straight", rank)
+            half = seen(tmp_path, f"{kind}-half", rank)
+            resumed = seen(tmp_path, f"{kind}-resumed", rank)
+            assert [s for s, _ in resumed] == list(range(8, 14)), f"{kind} rank {rank}"
+            assert half + resumed == straight, f"{kind} rank {rank}: {resumed[:2]} instead of {straight[8:10]}"
+        assert seen(tmp_path, f"{kind}-straight", 0)[8:] != seen(tmp_path, f"{kind}-straight", 1)[8:]
+
+
+def test_a_process_killed_at_random_steps_resumes_last_at_its_batch(script: Path, tmp_path: Path) -> None:
+    """SIGKILL (no handler runs) at random steps of a 20-step run with saves every 3 steps and a worker process;
+    ``fit(ckpt_path="last")`` in a fresh process trains on the uninterrupted run's batches from the newest save."""
+    run(script, tmp_path, "straight", "single")
+    straight = seen(tmp_path, "single-straight")
+    kills = sorted(np.random.default_rng(38).choice(np.arange(4, 20), size=3, replace=False).tolist())
+    for kill in kills:
+        out = tmp_path / f"kill{kill}"
+        out.mkdir()
+        proc = subprocess.run([sys.executable, str(script), str(out), f"kill:{kill}", "single"], cwd=str(out),
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        trained = seen(out, f"single-kill{kill}")
+        assert [s for s, _ in trained] == list(range(kill))
+        newest = max(int(p.stem.split("step=")[1]) for p in (out / "single" / "ckpts").glob("*.ckpt"))
+        run(script, out, "last", "single")
+        resumed = seen(out, "single-last")
+        assert trained[:newest] + resumed == straight, f"killed at step {kill}, resumed from step {newest}"
