@@ -240,15 +240,15 @@ OURS = {
 
 @pytest.mark.parametrize("config", list(OURS))
 def test_resume_of_our_improvements_leaves_the_uninterrupted_files(tmp_path: Any, config: str) -> None:
-    """Resumed from a mid-epoch file (step 9): files, ranking, loops and early stopping as in the uninterrupted run.
-    Weights are compared with ModelCheckpoint's resume from the same step instead: Lightning restarts a plain
-    DataLoader at the start of the epoch, so neither callback's mid-epoch resume sees the batches it would have."""
+    """Resumed from a mid-epoch file (step 9): files, ranking, loops, early stopping and weights as
+    in the uninterrupted run (the data position: the batches after the save are the uninterrupted run's), where
+    ModelCheckpoint's resume from the same step restarts the plain DataLoader at the start of its epoch."""
     kwargs = OURS[config]
     full = run(OrtCheckpoint, str(tmp_path / "full"), "full", **kwargs)
     resumed = run(OrtCheckpoint, str(tmp_path / "resumed"), "new-last", **kwargs)
-    assert_same(resumed, full, skip=("learning_rates", "weights", "stored_loop"))
+    assert_same(resumed, full, skip=("learning_rates", "stored_loop"))  # the monitor logs only what it saw
     theirs = run(ModelCheckpoint, str(tmp_path / "mc"), "new-last", **kwargs)
-    assert_same(resumed, theirs, skip=("files", "callback", "stored_loop"))
+    assert any(not torch.equal(theirs["weights"][k], v) for k, v in full["weights"].items())
 
 
 def test_resume_from_model_checkpoint_files(tmp_path: Any) -> None:
