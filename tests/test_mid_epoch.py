@@ -204,3 +204,52 @@ def test_an_iterable_dataset_warns_what_repeats(tmp_path: Path) -> None:
 
 def test_an_iterable_dataset_fast_forwards_when_asked(tmp_path: Path) -> None:
     check_resume(tmp_path, "iterable", "callback", crash_at=15, io=OrtCheckpointIO(fast_forward_iterables=True))
+
+
+class OlderPlugin(OrtCheckpointIO):
+    """Writes files as a version before 0.5 did (and as ORT and Fabric do): without a data position."""
+
+    def data_position(self) -> dict[str, Any]:
+        return {}
+
+
+def test_a_file_without_data_position_warns_what_repeats(tmp_path: Path) -> None:
+    _, ckpts = fit(tmp_path / "crashed", "shuffle", "callback", 24, crash_at=15, io=OlderPlugin())
+    path, step = newest(ckpts)
+    with pytest.warns(CheckpointWarning, match=rf"without its data position.*epoch 1 restarts from its first batch.*"
+                                               rf"the {step % 10} batches trained before the save"):
+        fit(tmp_path / "resumed", "shuffle", "callback", 24, ckpt_path=str(path))
+
+
+DAMAGES = {
+    "consumed_text": lambda p: p["loaders"][0].__setitem__("consumed", "three"),
+    "consumed_negative": lambda p: p["loaders"][0].__setitem__("consumed", -1),
+    "torch_state_short": lambda p: p["loaders"][0]["draw"].__setitem__("torch", "00ff"),
+    "generators_missing": lambda p: p["loaders"][0]["draw"].__setitem__("generators", ["00", "11"]),
+    "python_words_odd": lambda p: p["loaders"][0]["draw"]["python"].__setitem__(1, "abc"),
+    "loaders_not_a_list": lambda p: p.__setitem__("loaders", 5),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_data_position_fails_with_our_error(tmp_path: Path, damage: str) -> None:
+    """The position edited in the file's manifest (checksums fresh: only the position is wrong): fit raises our
+    error naming the file before any generator is set, never an IndexError from deep inside a sampler."""
+    import json
+
+    from lightning_ort_ckpt._data_position import DATA_KEY
+    from lightning_ort_ckpt._translation import MANIFEST
+    from lightning_ort_ckpt.errors import CorruptCheckpointError
+    from lightning_ort_ckpt.format import load_checkpoint, save_checkpoint
+
+    _, ckpts = fit(tmp_path / "crashed", "generator", "callback", 24, crash_at=15)
+    good, _ = newest(ckpts)
+    ck = load_checkpoint(good)
+    manifest = json.loads(ck.properties[MANIFEST])
+    DAMAGES[damage](manifest["values"][DATA_KEY])
+    ck.properties[MANIFEST] = json.dumps(manifest)
+    path = tmp_path / "damaged.ckpt"
+    save_checkpoint(ck, path)
+    with pytest.raises(CorruptCheckpointError, match="data position is damaged") as err:
+        fit(tmp_path / "resumed", "generator", "callback", 24, ckpt_path=str(path))
+    assert str(path) in str(err.value)
