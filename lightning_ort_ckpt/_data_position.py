@@ -19,6 +19,8 @@ batches are read and dropped, otherwise a warning names what repeats. Loaders wi
 
 from __future__ import annotations
 
+import collections
+import itertools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -230,8 +232,7 @@ class _Drawing:
             skip = sampler._data.first_draw(sampler._record)
             self._indices = iter(sampler.own)
             if skip:
-                for _ in range(skip):
-                    next(self._indices, None)
+                collections.deque(itertools.islice(self._indices, skip), maxlen=0)  # drawn, not loaded
                 _rng.restore(before)
         return next(self._indices)
 
