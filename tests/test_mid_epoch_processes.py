@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,9 +44,9 @@ class Indexed(Dataset):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, out, name, sharded, kill_at=None):
+    def __init__(self, out, name, sharded, kill_at=None, sig=signal.SIGKILL):
         super().__init__()
-        self.out, self.name, self.sharded, self.kill_at = out, name, sharded, kill_at
+        self.out, self.name, self.sharded, self.kill_at, self.sig = out, name, sharded, kill_at, sig
         self.l1, self.l2 = nn.Linear(1, 8), nn.Linear(8, 1)
         self.drop = nn.Dropout(0.3)
 
@@ -59,7 +60,7 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         if self.kill_at is not None and self.global_step == self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.sig)  # SIGTERM: Lightning ends the step, then saves on the exception
         with open(os.path.join(self.out, f"{self.name}.seen{self.global_rank}.jsonl"), "a") as f:
             f.write(json.dumps([self.global_step, [int(v) for v in batch.flatten().tolist()]]) + "\n")
         return self.l2(self.drop(torch.tanh(self.l1(batch / 48)))).square().mean()
@@ -68,17 +69,18 @@ class Net(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
-def fit(out, kind, name, max_steps, ckpt_path=None, every=3, kill_at=None):
+def fit(out, kind, name, max_steps, ckpt_path=None, every=3, kill_at=None, sig=signal.SIGKILL):
     pl.seed_everything(0)
     devices = 1 if kind == "single" else 2
     strategy = {"single": "auto", "ddp": "ddp",
                 "mp": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)}[kind]
-    cb = OrtCheckpoint(os.path.join(out, kind, "ckpts"), every_n_train_steps=every, save_top_k=-1)
+    cb = OrtCheckpoint(os.path.join(out, kind, "ckpts"), every_n_train_steps=every, save_top_k=-1,
+                       save_on_exception=True)
     trainer = pl.Trainer(max_steps=max_steps, strategy=strategy, devices=devices, accelerator="cpu", logger=False,
                          callbacks=[cb], num_sanity_val_steps=0, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0)
     loader = DataLoader(Indexed(), batch_size=4, shuffle=True, num_workers=1 if kind == "single" else 0)
-    trainer.fit(Net(out, f"{kind}-{name}", kind == "mp", kill_at), loader, ckpt_path=ckpt_path)
+    trainer.fit(Net(out, f"{kind}-{name}", kind == "mp", kill_at, sig), loader, ckpt_path=ckpt_path)
 
 
 out, phase, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
@@ -92,6 +94,8 @@ for kind in kinds:
         fit(out, kind, "straight", 20, every=100)
     elif phase.startswith("kill:"):
         fit(out, kind, phase.replace(":", ""), 20, kill_at=int(phase[5:]))
+    elif phase.startswith("term:"):
+        fit(out, kind, phase.replace(":", ""), 20, kill_at=int(phase[5:]), sig=signal.SIGTERM)
     elif phase == "last":
         fit(out, kind, "last", 20, ckpt_path="last")
 '''
@@ -107,6 +111,14 @@ def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("mid_epoch") / "train.py"
     path.write_text(SCRIPT)
     return path
+
+
+@pytest.fixture(scope="module")
+def straight(script: Path, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, list[int]]]:
+    """The uninterrupted single-process run of 20 steps: the batches every interrupted one must train on."""
+    out = tmp_path_factory.mktemp("straight")
+    run(script, out, "straight", "single")
+    return seen(out, "single-straight")
 
 
 def run(script: Path, out: Path, phase: str, kinds: str, timeout: float = 300) -> None:
@@ -128,11 +140,10 @@ def test_two_ranks_resume_at_their_batch_under_ddp_and_a_sharded_strategy(script
         assert seen(tmp_path, f"{kind}-straight", 0)[8:] != seen(tmp_path, f"{kind}-straight", 1)[8:]
 
 
-def test_a_process_killed_at_random_steps_resumes_last_at_its_batch(script: Path, tmp_path: Path) -> None:
+def test_a_process_killed_at_random_steps_resumes_last_at_its_batch(script: Path, straight: list[Any],
+                                                                    tmp_path: Path) -> None:
     """SIGKILL (no handler runs) at random steps of a 20-step run with saves every 3 steps and a worker process;
     ``fit(ckpt_path="last")`` in a fresh process trains on the uninterrupted run's batches from the newest save."""
-    run(script, tmp_path, "straight", "single")
-    straight = seen(tmp_path, "single-straight")
     kills = sorted(np.random.default_rng(38).choice(np.arange(4, 20), size=3, replace=False).tolist())
     for kill in kills:
         out = tmp_path / f"kill{kill}"
@@ -147,3 +158,21 @@ def test_a_process_killed_at_random_steps_resumes_last_at_its_batch(script: Path
         run(script, out, "last", "single")
         resumed = seen(out, "single-last")
         assert trained[:newest] + resumed == straight, f"killed at step {kill}, resumed from step {newest}"
+
+
+def test_a_sigterm_save_inside_an_epoch_resumes_last_at_its_batch(script: Path, straight: list[Any],
+                                                                   tmp_path: Path) -> None:
+    """SIGTERM (a spot or Kubernetes preemption) at a seeded random step: Lightning finishes the step and raises,
+    ``OrtCheckpoint(save_on_exception=True)`` saves the current step, and ``fit(ckpt_path="last")`` in a fresh
+    process trains on the uninterrupted run's batches from there."""
+    term = int(np.random.default_rng(39).integers(4, 19))
+    out = tmp_path / "term"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, str(script), str(out), f"term:{term}", "single"], cwd=str(out),
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert "Received SIGTERM" in proc.stderr, proc.stderr[-3000:]
+    trained = seen(out, f"single-term{term}")
+    saved = max(int(p.stem.split("step=")[1].split("-")[0]) for p in (out / "single" / "ckpts").glob("*.ckpt"))
+    assert saved == term + 1 == len(trained), (saved, term, len(trained))  # the step in progress, finished and saved
+    run(script, out, "last", "single")
+    assert trained + seen(out, "single-last") == straight, f"SIGTERM at step {term}"
