@@ -109,6 +109,7 @@ class OrtCheckpointIOMixin:
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._resume_rng: tuple[Any, Any, str] | None = None  # (random states, epoch, path) to restore at train start
         self._data: TrainData | None = None  # the data positions of the bound strategy's fits
+        self._remove_restorer: Callable[[], None] = lambda: None  # takes our train-start callback out of a Trainer
         hold_ort_loading(self)
         _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
@@ -200,7 +201,9 @@ class OrtCheckpointIOMixin:
         if fitting and self._data is not None:
             self._data.resume_at(checkpoint.get(DATA_KEY), path)
         if self._resume_rng is not None:
-            _train_start.restore_at_train_start(_lightning_adapter.trainer_of(strategy.lightning_module), self)
+            self._remove_restorer()
+            self._remove_restorer = _train_start.restore_at_train_start(
+                _lightning_adapter.trainer_of(strategy.lightning_module), self)
         return checkpoint
 
     def hold(self, path: str, found: Any) -> None:
@@ -259,6 +262,8 @@ class OrtCheckpointIOMixin:
         self._held = None
         if self._data is not None:
             self._data.end_fit()
+        self._remove_restorer()
+        self._remove_restorer = lambda: None
         unwrap, self._unwrap = self._unwrap, None
         if unwrap is not None:
             unwrap()

@@ -4,13 +4,14 @@ A fit resumed from one of our files restores the random states it saved when tra
 after Lightning built the data loaders, as in the uninterrupted run), which takes a callback. ``OrtCheckpoint`` and
 ``BindCheckpointIO`` are such callbacks; a Trainer with neither (``plugins=[OrtCheckpointIO()]`` with Lightning's
 ``ModelCheckpoint``) gets :class:`RestoreRandomStates` from the plugin when it loads the checkpoint of a fit, once
-per Trainer. A second restore finds nothing left to do, so a Trainer with both restores once.
+per Trainer, taken out again at the plugin's ``teardown``. A second restore finds nothing left to do, so a Trainer with both restores once.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import _lightning_adapter, _rng
@@ -40,10 +41,14 @@ def _callback_class(callback_base: type) -> type:
     return type("RestoreRandomStates", (RestoreRandomStates, callback_base), {"__module__": __name__})
 
 
-def restore_at_train_start(trainer: Any, plugin: Restorer) -> None:
-    """Give ``trainer`` the callback that has ``plugin`` restore the random states when training starts (once)."""
-    if not any(isinstance(c, RestoreRandomStates) for c in trainer.callbacks):
-        trainer.callbacks.append(_callback_class(namespace_of(trainer).attr("callbacks.Callback"))(plugin))
+def restore_at_train_start(trainer: Any, plugin: Restorer) -> Callable[[], None]:
+    """Give ``trainer`` the callback that has ``plugin`` restore the random states when training starts (once);
+    returns what takes it out again (the plugin's ``teardown``: nothing of ours stays in the Trainer's list)."""
+    if any(isinstance(c, RestoreRandomStates) for c in trainer.callbacks):
+        return lambda: None
+    callback = _callback_class(namespace_of(trainer).attr("callbacks.Callback"))(plugin)
+    trainer.callbacks.append(callback)
+    return lambda: trainer.callbacks.remove(callback) if callback in trainer.callbacks else None
 
 
 class DataPositions(Protocol):

@@ -124,7 +124,7 @@ TRAINER_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 def fit(where: Path, kind: str, how: str, steps: int, crash_at: int | None = None, ckpt_path: str | None = None,
-        options: dict[str, Any] | None = None, io: Any = None) -> tuple[Recorder, Path]:
+        options: dict[str, Any] | None = None, io: Any = None, extra: list[Any] = ()) -> tuple[Recorder, Path]:
     pl.seed_everything(3)
     model = Recorder(kind, crash_at)
     ckpts = where / "ckpts"
@@ -136,6 +136,7 @@ def fit(where: Path, kind: str, how: str, steps: int, crash_at: int | None = Non
         callbacks = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=3, save_top_k=-1)]
         callbacks += [BindCheckpointIO()] if how == "bind" else []
         plugins = [io or OrtCheckpointIO()]
+    callbacks += list(extra)
     opts = dict(options or {})
     if "limit_val_batches" not in opts:
         opts["limit_val_batches"] = 0
@@ -307,3 +308,21 @@ def test_augmentation_drawn_in_workers_differs_until_the_epoch_ends(tmp_path: Pa
         assert all(same)
     else:
         assert not any(same[:rest_of_epoch]) and all(same[rest_of_epoch:])
+
+
+def test_the_plugin_alone_leaves_no_callback_of_ours_in_the_trainer(tmp_path: Path) -> None:
+    """The plugin used alone adds a callback to restore the random states when training starts, and takes it out at
+    its teardown: after fit, the Trainer's callbacks are the user's."""
+    from lightning_ort_ckpt._train_start import RestoreRandomStates
+
+    _, ckpts = fit(tmp_path / "crashed", "shuffle", "plugin", 24, crash_at=15)
+    path, _ = newest(ckpts)
+    seen: list[bool] = []
+
+    class Look(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            seen.append(any(isinstance(c, RestoreRandomStates) for c in trainer.callbacks))
+
+    model, _ = fit(tmp_path / "resumed", "shuffle", "plugin", 24, ckpt_path=str(path), extra=[Look()])
+    assert seen == [True]
+    assert not [c for c in model.trainer.callbacks if isinstance(c, RestoreRandomStates)]
