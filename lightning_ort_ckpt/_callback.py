@@ -301,7 +301,8 @@ class OrtCheckpointMixin(_Base):
             self._preservation.take_half(entries)
         found = self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
                                       io=bound_plugin(trainer) or self.checkpoint_io,
-                                      storage_options=self.checkpoint_io.storage_options)
+                                      storage_options=self.checkpoint_io.storage_options,
+                                      module=trainer.lightning_module)
         return {found} if found else set()
 
     def state_dict(self) -> dict[str, Any]:

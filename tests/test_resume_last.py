@@ -1,20 +1,24 @@
 """``fit(ckpt_path="last")`` and ``ort-ckpt ls`` over a run directory holding more than the run's own checkpoints,
 with real Trainers and real files: an entry that is no regular file (a FIFO, a socket) named like a checkpoint is
 foreign, skipped with a warning, and the run resumes from the valid checkpoint beside it (issue 40); ``ls`` lists
-the run beside it."""
+the run beside it. A newer checkpoint of another model is skipped like a damaged one (issue 42, point 6)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
-from test_callback import files_after_fit, fit, name
+from test_callback import Net, files_after_fit, fit, name
 from test_checksums import run_cli
 
 
@@ -50,3 +54,54 @@ def test_resume_last_skips_an_entry_that_is_no_regular_file(tmp_path: Path, odd:
     finally:
         if sock is not None:
             sock.close()
+
+
+class WiderNet(Net):  # type: ignore[misc, valid-type]
+    """Another model: its layer has three outputs where the run's has one."""
+
+    def __init__(self, vals: list[float] | None = None, sleep: float = 0.0) -> None:
+        super().__init__(vals, sleep)
+        self.layer = nn.Linear(4, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x)[:, :1], y)
+
+
+def test_resume_last_skips_a_newer_foreign_file_whose_weights_do_not_fit(tmp_path: Path) -> None:
+    """Issue 42 point 6: a checkpoint of another model, newer than the run's own, is skipped like a damaged one
+    with a warning saying why, instead of crashing fit in Lightning's load."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    fit(OrtCheckpoint(dirpath=run, save_top_k=-1), 2)
+    fit(OrtCheckpoint(dirpath=other, save_top_k=-1), 3, net_class=WiderNet)
+    foreign = run / "foreign.ckpt"
+    shutil.copy(other / name(2, 12), foreign)  # step 12: newer than the run's step 8
+    with pytest.warns(CheckpointWarning, match=re.escape(f"{foreign} cannot be resumed from (its weights do not fit "
+                                                         "the module being fit: 'layer.weight' is 3x4 in the file, "
+                                                         "1x4 in the module (1 more differ))")):
+        trainer = fit(OrtCheckpoint(dirpath=run, save_top_k=-1), 3, ckpt_path="last")
+    assert trainer.ckpt_path == str(run / name(1, 8))
+    assert trainer.lightning_module.steps_run == 4 and trainer.global_step == 12
+
+
+def test_a_file_that_fits_is_not_judged_by_entries_the_module_lacks(tmp_path: Path) -> None:
+    """Entries of the file that the module lacks are not judged when "last" is resolved (a module may build more
+    layers in configure_model); the newest file is taken."""
+    fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 1, net_class=ExtraNet)
+    trainer = fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2, ckpt_path="last", net_class=LaterNet)
+    assert trainer.ckpt_path == str(tmp_path / name(0, 4))
+    assert trainer.global_step == 8
+
+
+class ExtraNet(Net):  # type: ignore[misc, valid-type]
+    def __init__(self, vals: list[float] | None = None, sleep: float = 0.0) -> None:
+        super().__init__(vals, sleep)
+        self.extra = nn.Linear(2, 2)
+
+
+class LaterNet(Net):  # type: ignore[misc, valid-type]
+    """Builds its second layer in configure_model, as sharded models do: absent when "last" is resolved."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "extra"):
+            self.extra = nn.Linear(2, 2)
