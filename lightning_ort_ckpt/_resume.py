@@ -73,8 +73,8 @@ def resolve_last(entries: list[_registry.Entry], *, rank_zero: bool, io: Holder,
         except CheckpointError as e:
             why = str(e).removeprefix(f"{entry.path}: ")
             note = damage_note(entry.path, str(e))  # a shared .data: how many checkpoints it takes with it
-            problems.append((entry.path, why + (f"; {note}" if note else "")))
-            _warn_skipped(rank_zero, entry.path, problems[-1][1])
+            problems.append((entry.path, why))
+            _warn_skipped(rank_zero, entry.path, why + (f"; {note}" if note else ""))
             continue
         io.hold(entry.path, found)
         return LastChoice(entry.path, False, rest, tuple(problems))
@@ -82,11 +82,31 @@ def resolve_last(entries: list[_registry.Entry], *, rank_zero: bool, io: Holder,
 
 
 def unresumable(directory: str, choice: LastChoice) -> CheckpointError:
-    """O1: the directory holds checkpoints and none can be resumed."""
-    listed = "; ".join(f"{path} ({why})" for path, why in choice.problems)
-    return CheckpointError(f'ckpt_path="last": none of its {len(choice.problems)} checkpoint(s) can be resumed '
-                           f"from: {listed}. Fix or remove them, or pass resume_fallback=\"scratch\" to OrtCheckpoint "
-                           "to train from scratch beside them", directory)
+    """O1: the directory holds checkpoints and none can be resumed: a line for each and why (the warnings said
+    more), then one hint."""
+    lines = [f"  {_relative(path, directory)}: {_one_line(why)}" for path, why in choice.problems]
+    repair = any(damage_note(path, why) for path, why in choice.problems)
+    hint = (f"`ort-ckpt verify --repair {directory}` repairs a shared .data where another copy is intact; else fix or "
+            "remove them, " if repair else "Fix or remove them, ")
+    return CheckpointError("\n".join([
+        f'ckpt_path="last": none of its {len(choice.problems)} checkpoint(s) can be resumed from:', *lines,
+        f'{hint}or pass resume_fallback="scratch" to OrtCheckpoint to train from scratch beside them.']), directory)
+
+
+_REASON_CHARACTERS = 200  # a reason longer than this is cut: each skipped file's warning gave it whole
+
+
+def _one_line(why: str) -> str:
+    why = " ".join(why.split())
+    return why if len(why) <= _REASON_CHARACTERS else why[:_REASON_CHARACTERS - 3].rstrip() + "..."
+
+
+def _relative(path: str, directory: str) -> str:
+    """``path`` as a name inside ``directory`` where it is one (its own line says the directory), else whole."""
+    for sep in ("/", "\\"):
+        if path.startswith(directory.rstrip(sep) + sep):
+            return path[len(directory.rstrip(sep)) + 1:]
+    return path
 
 
 def adopt(mine: LastChoice | None, agreed: LastChoice | None, io: Holder,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_ort_ckpt import OrtCheckpoint
-from lightning_ort_ckpt.errors import CheckpointWarning
+from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from test_callback import Net, files_after_fit, fit, name
 from test_checksums import run_cli
 
@@ -105,3 +105,20 @@ class LaterNet(Net):  # type: ignore[misc, valid-type]
     def configure_model(self) -> None:
         if not hasattr(self, "extra"):
             self.extra = nn.Linear(2, 2)
+
+
+def test_none_resumable_is_one_line_per_checkpoint_then_one_hint(tmp_path: Path) -> None:
+    """Issue 40 point 9: O1's error, for four damaged files, in six lines (it repeated a paragraph per file)."""
+    fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 4)
+    names = [name(epoch, 4 * (epoch + 1)) for epoch in range(4)]
+    for n, keep in zip(names, (-1, 0, 64, 8)):
+        path = tmp_path / n
+        with open(path, "r+b") as f:
+            f.truncate(keep if keep >= 0 else path.stat().st_size // 2)
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as raised:
+        fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 5, ckpt_path="last")
+    lines = str(raised.value).splitlines()
+    assert lines[0] == f'{tmp_path}: ckpt_path="last": none of its 4 checkpoint(s) can be resumed from:', lines
+    assert sorted(line.split(": ", 1)[0] for line in lines[1:5]) == [f"  {n}" for n in sorted(names)], lines
+    assert all(len(line) <= 2 + max(map(len, names)) + 2 + 200 and line.split(": ", 1)[1] for line in lines[1:5])
+    assert len(lines) == 6 and lines[5].startswith("Fix or remove them, or pass resume_fallback=\"scratch\""), lines
