@@ -38,7 +38,7 @@ from .format import CheckpointContents, OptimizerGroup
 from .format._store import store_for
 from .format._reader import CheckpointReader, TensorInfo
 from .format._shared_data import damage_note
-from ._cli_runs import expand, ls, repair
+from ._cli_runs import expand, healable, ls, reading, repair
 from ._cli_text import first_line as _first_line
 from ._cli_text import shown as _shown
 from ._cli_text import size as _size
@@ -181,7 +181,9 @@ def _one(args: argparse.Namespace, path: str) -> dict[str, Any]:
         return report
     print(_render(report))
     if report.get("damaged"):
-        print(f"error: {_shown(path)}: damaged, run verify: {_shown(report['damaged'])}", file=sys.stderr)
+        healing = report["damaged"].startswith("damaged copy, healable")
+        print(f"error: {_shown(path)}: {'' if healing else 'damaged, run verify: '}{_shown(report['damaged'])}",
+              file=sys.stderr)
     return report
 
 
@@ -191,17 +193,19 @@ def _report(path: str, verify: bool) -> tuple[dict[str, Any], bool]:
     mismatch is reported as ``damaged`` (the report is still shown) and the report's ``valid`` is False."""
     from ._loading import single_file
 
-    with (single_file(path) as single, store_for(single).fetched(single) as local,
-          CheckpointReader(local, heal=not verify) as reader):  # verify: the file as ORT reads it (no other copy)
+    with (single_file(path) as single, store_for(single).fetched(single) as local, reading(local) as reader):
         report = describe(reader)  # a URL: downloaded first; a sharded directory: consolidated
         if local != path:  # the report names the URL or directory, not the local copy
             report["file"] = path
             report["files"] = {path + name[len(local):]: size for name, size in report["files"].items()}
         if verify:
             reader.verify()
+            if (note := healable(reader)) is not None:  # whole for us, damaged for ORT: not valid
+                raise CorruptCheckpointError(note, path)
             report["lightning_check"] = _check_lightning(reader)
         else:
             report["checksums_checked"], report["damaged"] = _spot_check(reader)
+            report["damaged"] = report["damaged"] or healable(reader)
             report["valid"] = report["damaged"] is None
         return report, verify and reader.checksums is not None and reader.checksums.usable
 

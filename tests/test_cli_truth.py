@@ -1,22 +1,28 @@
-"""``ort-ckpt`` tells one truth (issue 42, point 5), with real files: folders written through the public
-``dcp.save``/``dcp.async_save`` with ``OrtStorageWriter`` are valid for ``verify``, ``inspect`` and ``consolidate``
-(their verdict matches what ``OrtStorageReader`` loads)."""
+"""``ort-ckpt`` tells one truth (issue 42, point 5), with real Trainers and real files: a checkpoint that reads whole
+only through the other copy of its shared ``.data`` is damaged for ORT, and every command says so ("damaged copy,
+healable") and exits 1; folders written through the public ``dcp.save``/``dcp.async_save`` with
+``OrtStorageWriter`` are valid for ``verify``, ``inspect`` and ``consolidate`` (their verdict matches what
+``OrtStorageReader`` loads)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.dcp import OrtStorageReader, OrtStorageWriter
-from lightning_ort_ckpt.format import load_checkpoint
+from lightning_ort_ckpt.format import load_checkpoint, open_checkpoint
+from test_cli_runs import Net
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -62,3 +68,48 @@ def test_a_public_dcp_folder_is_valid_for_every_command(tmp_path: Path, save: st
     one = load_checkpoint(tmp_path / "one.ckpt")
     assert torch.equal(torch.as_tensor(one.frozen["lightning:model.weight"]), saved["model"]["weight"])
     assert torch.equal(torch.as_tensor(one.frozen["lightning:ints"]), torch.arange(5))
+
+
+def _train(where: Path, **callback: Any) -> Path:
+    pl.Trainer(max_epochs=callback.pop("epochs", 3), accelerator="cpu", devices=1, logger=False,
+               callbacks=[OrtCheckpoint(dirpath=where, monitor="val_loss", **callback)], enable_progress_bar=False,
+               enable_model_summary=False).fit(Net())
+    return where
+
+
+def _rows(out: str) -> dict[str, str]:
+    return {line.split()[0]: line for line in out.splitlines()[1:-1]}
+
+
+def test_a_healable_damaged_copy_is_not_valid_in_any_command(tmp_path: Path) -> None:
+    run = _train(tmp_path / "run", save_top_k=2, save_last=True)
+    last = run / "last.ckpt"
+    sharing = sorted(p.name for p in run.glob("*.ckpt") if os.path.samefile(f"{p}.data", f"{last}.data"))
+    assert len(sharing) == 2 and len(list(run.glob("*.ckpt"))) == 3  # one shared .data, one other copy
+    with open_checkpoint(last) as reader:
+        offset = reader.frozen["frozen.weight"].offset
+    os.chmod(f"{last}.data", 0o644)
+    with open(f"{last}.data", "r+b") as f:  # one flipped byte of the shared frozen layer
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    said = "damaged copy, healable: run `ort-ckpt verify --repair`"
+
+    out = cli("verify", run)
+    assert out.returncode == 1, out
+    for name in sharing:
+        assert f"INVALID {run / name}: {said}: frozen tensor 'frozen.weight'" in out.stderr, out.stderr
+    assert out.stdout.splitlines()[-1].startswith("verified 3 checkpoint(s): 1 OK, 2 INVALID"), out.stdout
+    for verify in ([], ["--verify"]):
+        out = cli("ls", *verify, run)
+        rows = _rows(out.stdout)
+        if verify:
+            assert out.returncode == 1 and all(said in rows[n] for n in sharing), out.stdout
+            assert sum("  ok" in row for row in rows.values()) == 1, out.stdout
+        else:  # the structure alone is whole: ls without --verify hashes nothing, and says so
+            assert out.returncode == 0 and out.stdout.splitlines()[-1].endswith("--verify hashes every tensor)")
+    out = cli("inspect", last)
+    assert out.returncode == 1 and out.stderr.startswith(f"error: {last}: {said}"), out.stderr
+    assert cli("verify", "--repair", run).returncode == 0
+    assert cli("ls", "--verify", run).returncode == 0 and cli("inspect", last).returncode == 0
