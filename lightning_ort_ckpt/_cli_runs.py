@@ -3,11 +3,13 @@ directories, globs), and ``ort-ckpt ls RUN_DIR``, a run as a table. A run direct
 registry (``_registry``, the listing "last" and retention use): its committed and half-written checkpoints; foreign
 files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote it).
 
-``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records,
-its size on disk (a file with its ``.data``, or a folder's files; a file hard-linked by several checkpoints, as
-frozen sharing's ``.data`` are, counts once, for the first checkpoint that holds it), whether it is valid (the
-reader's every structural check; ``--verify`` hashes every tensor too) or why not, and which is the best (the
-``best_model_path`` the newest checkpoint's callback state records) and which the last.
+``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records
+(none where the score is an older step's), its size on disk (a file with its ``.data``, or a folder's files; a file
+hard-linked by several checkpoints, as frozen sharing's ``.data`` are, counts once, for the first checkpoint that
+holds it), whether it is valid (the
+reader's every structural check; ``--verify`` hashes every tensor too) or why not (last, so that a long reason moves
+no other column), and which is the best (the ``best_model_path`` the newest checkpoint's callback state records),
+which the last, and which are not among the top-k that state ranks (``unranked``).
 """
 
 from __future__ import annotations
@@ -117,11 +119,12 @@ def ls(directory: str, as_json: bool, verify: bool) -> int:
                           "invalid": len(invalid)}, indent=2, allow_nan=False, default=str))
         return 1 if invalid else 0
     monitor = next((r["monitor"] for r in rows if r["monitor"]), None)
-    header = ["checkpoint", "step", "epoch", monitor or "score", "size", "valid", ""]
+    header = ["checkpoint", "step", "epoch", monitor or "score", "size", "", "valid"]  # the free text last: a
+    # long reason never moves another row's columns
     table = [[_shown(r["name"] + (f" -> {r['link']}" if r["link"] else "")), _text(r["step"]), _text(r["epoch"]),
               _score(r["score"]), _size(r["bytes"]) + (f" (+{_size(r['shared_bytes'])} shared)"
                                                        if r["shared_bytes"] else ""),
-              "ok" if not r["problem"] else _shown(r["problem"]), ", ".join(r["marks"])] for r in rows]
+              ", ".join(r["marks"]), "ok" if not r["problem"] else _shown(r["problem"])] for r in rows]
     for line in _table(header, table, right={1, 2, 3, 4}):
         print(line)
     check = "every tensor's checksum checked" if verify else "structure checked; --verify hashes every tensor"
@@ -135,7 +138,8 @@ def _row(entry: Entry, verify: bool) -> dict[str, Any]:
     folder = entry.kind is Kind.FOLDER
     row: dict[str, Any] = {"name": os.path.basename(entry.path), "path": entry.path,
                            "kind": "folder" if folder else "file", "step": entry.step, "epoch": entry.epoch,
-                           "monitor": None, "score": None, "best_model_path": None, "problem": entry.problem,
+                           "monitor": None, "score": None, "best_model_path": None, "ranks": None,
+                           "problem": entry.problem,
                            "link": _link(entry.path), "files": _files(entry.path, folder)}
     if entry.state is State.HALF:
         row["problem"] = f"half-written: a checkpoint folder without {FOLDER_COMMIT_NAME} (its save did not finish)"
@@ -213,7 +217,12 @@ def _from_metadata(row: dict[str, Any], reader: CheckpointReader) -> None:
             row["monitor"] = state["monitor"]
             row["best_model_path"] = state.get("best_model_path") if isinstance(state.get("best_model_path"),
                                                                                 str) else None
-            row["score"] = _tensor_value(reader, state.get("current_score"))
+            ranked = state.get("best_k_models")
+            row["ranks"] = [os.path.basename(p) for p in ranked if isinstance(p, str)] \
+                if isinstance(ranked, dict) else None
+            scored_at = state.get("current_score_step")  # OrtCheckpoint's: the step the score was logged at
+            if not isinstance(scored_at, int) or scored_at == row["step"]:  # else it is an older step's: stale
+                row["score"] = _tensor_value(reader, state.get("current_score"))
             return
 
 
@@ -249,15 +258,19 @@ def _sizes(files: list[str], seen: set[tuple[int, int]]) -> tuple[int, int]:
 
 def _mark(rows: list[dict[str, Any]]) -> None:
     """``best``: the checkpoint the newest one's callback state calls best; ``last``: Lightning's last name, or
-    the newest checkpoint when there is none."""
+    the newest checkpoint when there is none; ``unranked``: not among the top-k that state ranks (a ``last`` copy, a
+    periodic save)."""
     newest = next((r for r in reversed(rows) if r["best_model_path"]), None)
     best = os.path.basename(newest["best_model_path"]) if newest else None
+    ranks = next((r["ranks"] for r in reversed(rows) if r.get("ranks")), None)
     lasts = [r for r in rows if r["name"].startswith("last") and not r["problem"]]
     last = lasts[-1]["name"] if lasts else next((r["name"] for r in reversed(rows) if not r["problem"]), None)
     for r in rows:
-        r["marks"] = [m for m, hit in (("best", r["name"] == best), ("last", r["name"] == last)) if hit]
+        r["ranked"] = None if ranks is None else r["name"] in ranks
+        r["marks"] = [m for m, hit in (("best", r["name"] == best), ("last", r["name"] == last),
+                                       ("unranked", r["ranked"] is False)) if hit]
         r["best"], r["last"] = "best" in r["marks"], "last" in r["marks"]
-        del r["best_model_path"]
+        del r["best_model_path"], r["ranks"]
 
 
 def _text(value: int | None) -> str:

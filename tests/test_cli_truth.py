@@ -1,6 +1,7 @@
 """``ort-ckpt`` tells one truth (issue 42, point 5), with real Trainers and real files: a checkpoint that reads whole
 only through the other copy of its shared ``.data`` is damaged for ORT, and every command says so ("damaged copy,
-healable") and exits 1; folders written through the public ``dcp.save``/``dcp.async_save`` with
+healable") and exits 1; ``ls`` marks unranked rows, shows no stale score, and a long reason moves no other
+column; folders written through the public ``dcp.save``/``dcp.async_save`` with
 ``OrtStorageWriter`` are valid for ``verify``, ``inspect`` and ``consolidate`` (their verdict matches what
 ``OrtStorageReader`` loads)."""
 
@@ -113,3 +114,23 @@ def test_a_healable_damaged_copy_is_not_valid_in_any_command(tmp_path: Path) -> 
     assert out.returncode == 1 and out.stderr.startswith(f"error: {last}: {said}"), out.stderr
     assert cli("verify", "--repair", run).returncode == 0
     assert cli("ls", "--verify", run).returncode == 0 and cli("inspect", last).returncode == 0
+
+
+def test_ls_marks_unranked_rows_shows_no_stale_score_and_keeps_its_columns(tmp_path: Path) -> None:
+    """A save every step, validation once an epoch: the step-3 save is not ranked, and the score its callback
+    state holds is step 2's (stale): ``-``. A long reason stays in the last column."""
+    run = _train(tmp_path / "run", save_top_k=2, every_n_train_steps=1, epochs=2)
+    (run / "epoch=0-step=1.ckpt").write_bytes(b"not a checkpoint " * 20)
+    out = cli("ls", run)
+    lines = out.stdout.splitlines()
+    rows = _rows(out.stdout)
+    assert set(rows) == {"epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "epoch=1-step=3.ckpt", "epoch=1-step=4.ckpt"}
+    assert rows["epoch=1-step=3.ckpt"].split()[3] == "-" and "unranked" in rows["epoch=1-step=3.ckpt"]
+    assert rows["epoch=0-step=2.ckpt"].split()[3] != "-" and "unranked" not in rows["epoch=0-step=2.ckpt"]
+    assert "best" in rows["epoch=1-step=4.ckpt"] and "unranked" not in rows["epoch=1-step=4.ckpt"]
+    doc = {c["name"]: c for c in json.loads(cli("ls", "--json", run).stdout)["checkpoints"]}
+    assert doc["epoch=1-step=3.ckpt"]["ranked"] is False and doc["epoch=1-step=3.ckpt"]["score"] is None
+    assert doc["epoch=0-step=2.ckpt"]["ranked"] is True and doc["epoch=0-step=2.ckpt"]["score"] is not None
+    column = lines[0].index("valid")  # every row's verdict starts under the header, whatever the reasons' length
+    assert all(line[column:].startswith(("ok", "not an ORT checkpoint")) for line in lines[1:-1]), lines
+    assert len({len(line.split("  ok")[0]) for line in lines[1:-1] if "  ok" in line}) == 1, lines
