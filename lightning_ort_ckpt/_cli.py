@@ -210,6 +210,7 @@ def _report(path: str, verify: bool) -> tuple[dict[str, Any], bool]:
         return report, verify and reader.checksums is not None and reader.checksums.usable
 
 
+FABRIC_KEY = "lightning_ort_ckpt.fabric"  # what a fabric.save through the plugin records (``_fabric``)
 _INSPECT_HASH_BYTES = 64 << 20  # inspect hashes this much of the smallest tensors; verify hashes everything
 
 
@@ -250,8 +251,13 @@ def _check_lightning(reader: CheckpointReader) -> str | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         checkpoint = from_ort(_stand_ins(reader, EXTRA_PREFIX), reader.path)  # the bytes were verified just before
-    return _shown(f"decodes ({len(checkpoint)} keys, epoch {checkpoint.get('epoch')}, global step "
-                  f"{checkpoint.get('global_step')})")
+    counters = _known(("epoch", checkpoint.get("epoch")), ("global step", checkpoint.get("global_step")))
+    return _shown(f"decodes ({', '.join([f'{len(checkpoint)} keys', *counters])})")
+
+
+def _known(*named: tuple[str, Any]) -> list[str]:
+    """``name value`` for each value the file holds (a Fabric save has no epoch, step or Lightning version)."""
+    return [f"{name} {value}" for name, value in named if value is not None]
 
 
 def _stand_ins(reader: CheckpointReader, values_prefix: str) -> CheckpointContents:
@@ -513,8 +519,11 @@ def _render(r: dict[str, Any]) -> str:
                       f"{_shown(', '.join(g['momentum_names'])) or '-'} ({_size(g['bytes'])})"]
     if r["lightning"]:
         lt = r["lightning"]
-        lines += ["", _shown(f"Lightning checkpoint: epoch {lt['epoch']}, global step {lt['global_step']}, saved by "
-                             f"Lightning {lt['lightning_version']}; also holds {', '.join(lt['keys'])}")]
+        kind = "Fabric checkpoint" if FABRIC_KEY in lt["keys"] else "Lightning checkpoint"
+        known = _known(("epoch", lt["epoch"]), ("global step", lt["global_step"]),
+                       ("saved by Lightning", lt["lightning_version"]))
+        holds = ", ".join(k for k in lt["keys"] if k != FABRIC_KEY) or "nothing else"
+        lines += ["", _shown(f"{kind}: {', '.join(known)}; also holds {holds}" if known else f"{kind}: holds {holds}")]
     if r["properties"]:
         lines += ["", "properties:"]
         lines += [f"  {_shown(p['name'])} ({p['type']}) = {_value(p)}" for p in r["properties"]]

@@ -1,7 +1,7 @@
 """``ort-ckpt`` tells one truth (issue 42, point 5), with real Trainers and real files: a checkpoint that reads whole
 only through the other copy of its shared ``.data`` is damaged for ORT, and every command says so ("damaged copy,
 healable") and exits 1; ``ls`` marks unranked rows, shows no stale score, and a long reason moves no other
-column; folders written through the public ``dcp.save``/``dcp.async_save`` with
+column; ``inspect`` and ``verify`` of a Fabric file show no "None"; folders written through the public ``dcp.save``/``dcp.async_save`` with
 ``OrtStorageWriter`` are valid for ``verify``, ``inspect`` and ``consolidate`` (their verdict matches what
 ``OrtStorageReader`` loads)."""
 
@@ -134,3 +134,18 @@ def test_ls_marks_unranked_rows_shows_no_stale_score_and_keeps_its_columns(tmp_p
     column = lines[0].index("valid")  # every row's verdict starts under the header, whatever the reasons' length
     assert all(line[column:].startswith(("ok", "not an ORT checkpoint")) for line in lines[1:-1]), lines
     assert len({len(line.split("  ok")[0]) for line in lines[1:-1] if "  ok" in line}) == 1, lines
+
+
+def test_inspect_and_verify_of_a_fabric_file_show_no_none(tmp_path: Path) -> None:
+    L = pytest.importorskip("lightning")
+    from lightning_ort_ckpt.lightning import OrtCheckpointIO
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[OrtCheckpointIO()])
+    model, optimizer = fabric.setup(*(lambda m: (m, torch.optim.AdamW(m.parameters())))(torch.nn.Linear(3, 2)))
+    path = tmp_path / "fabric.ckpt"
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    out = cli("inspect", path)
+    assert out.returncode == 0 and "Fabric checkpoint: holds " in out.stdout, out
+    out_verify = cli("verify", path)
+    assert out_verify.returncode == 0 and "decodes (" in out_verify.stdout, out_verify
+    assert "None" not in out.stdout + out_verify.stdout, out.stdout + out_verify.stdout
