@@ -48,6 +48,10 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     back as the Lightning checkpoint it was. Streams one tensor at a time. ``storage_options``: fsspec's, for ``src``
     and ``out`` where they are URLs. Raises :class:`CorruptCheckpointError` naming the file on damage."""
     src, out = os.fspath(src), os.fspath(out)
+    store = store_for(src, storage_options)
+    if not store.is_directory(src):
+        raise CheckpointError("a file, not a sharded checkpoint folder: it is one checkpoint file already, nothing to "
+                              "consolidate" if store.exists(src) else "no such folder", src)
     doc = read_metadata(src, storage_options)
     with ShardFiles(src, storage_options) as files:
         stand_ins: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}

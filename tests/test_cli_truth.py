@@ -1,7 +1,8 @@
 """``ort-ckpt`` tells one truth (issue 42, point 5), with real Trainers and real files: a checkpoint that reads whole
 only through the other copy of its shared ``.data`` is damaged for ORT, and every command says so ("damaged copy,
 healable") and exits 1; ``ls`` marks unranked rows, shows no stale score, and a long reason moves no other
-column; ``inspect`` and ``verify`` of a Fabric file show no "None"; folders written through the public ``dcp.save``/``dcp.async_save`` with
+column; ``inspect`` and ``verify`` of a Fabric file show no "None"; ``consolidate`` of a plain file does not call it a
+directory; folders written through the public ``dcp.save``/``dcp.async_save`` with
 ``OrtStorageWriter`` are valid for ``verify``, ``inspect`` and ``consolidate`` (their verdict matches what
 ``OrtStorageReader`` loads)."""
 
@@ -149,3 +150,15 @@ def test_inspect_and_verify_of_a_fabric_file_show_no_none(tmp_path: Path) -> Non
     out_verify = cli("verify", path)
     assert out_verify.returncode == 0 and "decodes (" in out_verify.stdout, out_verify
     assert "None" not in out.stdout + out_verify.stdout, out.stdout + out_verify.stdout
+
+
+def test_consolidate_of_a_plain_file_does_not_call_it_a_directory(tmp_path: Path) -> None:
+    run = _train(tmp_path / "run", save_top_k=1, epochs=1)
+    plain = next(run.glob("*.ckpt"))
+    out = cli("consolidate", plain, tmp_path / "one.ckpt")
+    assert out.returncode == 1 and out.stderr.splitlines() == [
+        f"error: {plain}: a file, not a sharded checkpoint folder: it is one checkpoint file already, nothing to "
+        "consolidate"], out.stderr
+    out = cli("consolidate", tmp_path / "missing", tmp_path / "one.ckpt")
+    assert out.returncode == 1 and out.stderr == f"error: {tmp_path / 'missing'}: no such folder\n", out.stderr
+    assert not (tmp_path / "one.ckpt").exists()
