@@ -73,6 +73,9 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
         for match in matches:
             if store_for(match).local and is_run_directory(match):
                 several = True
+                if (why := unreadable(match)) is not None:
+                    found.append((match, why))
+                    continue
                 inside = [(e.path, None) for e in sorted(checkpoints(match), key=lambda e: e.path)]
                 found += inside or [(match, "a directory without checkpoints (no *.ckpt file or checkpoint "
                                             "folder)")]
@@ -85,6 +88,16 @@ def is_run_directory(path: str) -> bool:
     """A local directory that is not itself a checkpoint (a committed or half-written checkpoint folder)."""
     return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, FOLDER_COMMIT_NAME))
             and not path.rstrip("/").endswith(CHECKPOINT_SUFFIX))
+
+
+def unreadable(directory: str) -> str | None:
+    """Why the local ``directory`` cannot be listed (no permission, an I/O error), or None: a listing would
+    otherwise pass for an empty directory."""
+    try:
+        os.scandir(directory).close()
+    except OSError as e:
+        return f"cannot read this directory ({e.strerror or e})"
+    return None
 
 
 def checkpoints(directory: str) -> list[Entry]:
@@ -101,8 +114,10 @@ def _part_of_another(path: str) -> bool:
 # -- ls --------------------------------------------------------------------------------------------------------------
 def ls(directory: str, as_json: bool, verify: bool) -> int:
     """Print the table (or the JSON document) of ``directory``'s checkpoints; exit status 1 if one is not valid."""
-    if not os.path.isdir(directory):
-        message = f"{directory}: not a directory (ort-ckpt ls takes a run's checkpoint directory)"
+    why = "not a directory (ort-ckpt ls takes a run's checkpoint directory)" if not os.path.isdir(directory) \
+        else unreadable(directory)
+    if why is not None:
+        message = f"{directory}: {why}"
         print(json.dumps({"ok": False, "error": message}) if as_json else f"error: {_shown(message)}",
               file=sys.stdout if as_json else sys.stderr)
         return 1

@@ -1,10 +1,10 @@
 """``ort-ckpt`` tells one truth (issue 42, point 5), with real Trainers and real files: a checkpoint that reads whole
 only through the other copy of its shared ``.data`` is damaged for ORT, and every command says so ("damaged copy,
-healable") and exits 1; ``ls`` marks unranked rows, shows no stale score, and a long reason moves no other
-column; ``inspect`` and ``verify`` of a Fabric file show no "None"; ``consolidate`` of a plain file does not call it a
-directory; folders written through the public ``dcp.save``/``dcp.async_save`` with
-``OrtStorageWriter`` are valid for ``verify``, ``inspect`` and ``consolidate`` (their verdict matches what
-``OrtStorageReader`` loads)."""
+healable") and exits 1; ``ls`` marks unranked rows, shows no stale score, and a long reason moves no other column;
+``inspect`` and ``verify`` of a Fabric file show no "None"; ``consolidate`` of a plain file does not call it a
+directory; a directory that cannot be read is an error, not an empty run; folders written through the public
+``dcp.save``/``dcp.async_save`` with ``OrtStorageWriter`` are valid for ``verify``, ``inspect`` and ``consolidate``
+(their verdict matches what ``OrtStorageReader`` loads)."""
 
 from __future__ import annotations
 
@@ -162,3 +162,32 @@ def test_consolidate_of_a_plain_file_does_not_call_it_a_directory(tmp_path: Path
     out = cli("consolidate", tmp_path / "missing", tmp_path / "one.ckpt")
     assert out.returncode == 1 and out.stderr == f"error: {tmp_path / 'missing'}: no such folder\n", out.stderr
     assert not (tmp_path / "one.ckpt").exists()
+
+
+def _without_root_overrides() -> None:
+    """In the child, before it runs: drop the two capabilities that let root read any directory (the tests run as
+    root, for whom a mode of 000 means nothing), so that the directory's mode holds for it as for anyone."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, out of the bounding set for the exec
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_directory_that_cannot_be_read_is_an_error_not_an_empty_run(tmp_path: Path) -> None:
+    run = _train(tmp_path / "run", save_top_k=1, epochs=1)
+    run.chmod(0)
+    try:
+        outs = {command: subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", command, str(run)],
+                                        capture_output=True, text=True, timeout=300,
+                                        preexec_fn=_without_root_overrides if os.geteuid() == 0 else None)
+                for command in ("ls", "verify")}
+    finally:
+        run.chmod(0o755)
+    assert outs["ls"].returncode == 1 and outs["ls"].stderr == \
+        f"error: {run}: cannot read this directory (Permission denied)\n", outs["ls"]
+    assert outs["verify"].returncode == 1, outs["verify"]
+    assert f"INVALID {run}: cannot read this directory (Permission denied)" in outs["verify"].stderr
+    assert "without checkpoints" not in outs["verify"].stderr
+    assert cli("ls", run).returncode == 0  # readable again: the run is there
