@@ -1,7 +1,7 @@
 """``ort-ckpt`` for whole runs: the paths ``verify`` and ``inspect`` take (files, sharded checkpoint folders, run
-directories, globs), and ``ort-ckpt ls RUN_DIR``, a run as a table. A run directory is listed by the checkpoint
-registry (``_registry``, the listing "last" and retention use): its committed and half-written checkpoints; foreign
-files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote it).
+directories, local or remote, globs), and ``ort-ckpt ls RUN_DIR``, a local run as a table. A run directory is listed
+by the checkpoint registry (``_registry``, the listing "last" and retention use): its committed and half-written
+checkpoints; foreign files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote it).
 
 ``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records
 (none where the score is an older step's), its size on disk (a file with its ``.data``, or a folder's files; a file
@@ -71,9 +71,9 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
             if not matches:
                 found.append((path, "no file or folder matches"))
         for match in matches:
-            if store_for(match).local and is_run_directory(match):
+            if is_run_directory(match):
                 several = True
-                if (why := unreadable(match)) is not None:
+                if store_for(match).local and (why := unreadable(match)) is not None:
                     found.append((match, why))
                     continue
                 inside = [(e.path, None) for e in sorted(checkpoints(match), key=lambda e: e.path)]
@@ -85,9 +85,12 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
 
 
 def is_run_directory(path: str) -> bool:
-    """A local directory that is not itself a checkpoint (a committed or half-written checkpoint folder)."""
-    return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, FOLDER_COMMIT_NAME))
-            and not path.rstrip("/").endswith(CHECKPOINT_SUFFIX))
+    """A directory, local or remote (``s3://bucket/run``), that is not itself a checkpoint (a committed or
+    half-written checkpoint folder)."""
+    if path.rstrip("/").endswith(CHECKPOINT_SUFFIX):
+        return False
+    store = store_for(path)
+    return store.is_directory(path) and not store.exists(store.join(path, FOLDER_COMMIT_NAME))
 
 
 def unreadable(directory: str) -> str | None:
@@ -114,8 +117,10 @@ def _part_of_another(path: str) -> bool:
 # -- ls --------------------------------------------------------------------------------------------------------------
 def ls(directory: str, as_json: bool, verify: bool) -> int:
     """Print the table (or the JSON document) of ``directory``'s checkpoints; exit status 1 if one is not valid."""
-    why = "not a directory (ort-ckpt ls takes a run's checkpoint directory)" if not os.path.isdir(directory) \
-        else unreadable(directory)
+    why = ("a URL: ort-ckpt ls lists a local directory (ort-ckpt verify URL checks every checkpoint of a remote run)"
+           if not store_for(directory).local else
+           "not a directory (ort-ckpt ls takes a run's checkpoint directory)" if not os.path.isdir(directory) else
+           unreadable(directory))
     if why is not None:
         message = f"{directory}: {why}"
         print(json.dumps({"ok": False, "error": message}) if as_json else f"error: {_shown(message)}",
