@@ -13,8 +13,8 @@ A ``PATH`` is a file, an fsspec URL (``s3://...``, read with the store's default
 end with one summary line (``_cli_runs``). ``ort-ckpt ls DIR`` shows a run as a table; ``ort-ckpt consolidate DIR
 OUT.ckpt`` writes a sharded directory as one ORT file; ``ort-ckpt export FILE --module pkg.mod:Class --output
 model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra).
-Failures print one ``error: ...`` (or ``INVALID ...``) line per checkpoint, never a traceback, and exit 1; every
-command takes ``--json``.
+Failures print one ``error: ...`` (or ``INVALID ...``) line per checkpoint, never a traceback, and exit 1; a warning
+prints as one ``warning: ...`` line; every command takes ``--json``.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_export.add_argument("--json", action="store_true", help=json_help)
     args = parser.parse_args(argv)
     try:
-        return _run(args)
+        with warnings.catch_warnings():  # put back as it was when the command ends (main may run in a caller's process)
+            warnings.showwarning = _show_warning
+            return _run(args)
     except BrokenPipeError:  # `ort-ckpt inspect FILE | head`: the reader left; say nothing more
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
@@ -95,6 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a command line prints one error line, never a traceback
         _say_error(f"{type(e).__name__}: {_first_line(e)}", args)
         return 1
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """A warning as one line in the user's terms (``warning: ...``), not Python's format with a source path, line
+    number and code: the command's user did not write that code."""
+    print(f"warning: {_first_line(Warning(str(message)))}", file=sys.stderr)
 
 
 def _say_error(message: str, args: argparse.Namespace, prefix: str = "error: ") -> None:

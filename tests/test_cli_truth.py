@@ -2,9 +2,9 @@
 only through the other copy of its shared ``.data`` is damaged for ORT, and every command says so ("damaged copy,
 healable") and exits 1; ``ls`` marks unranked rows, shows no stale score, and a long reason moves no other column;
 ``inspect`` and ``verify`` of a Fabric file show no "None"; ``consolidate`` of a plain file does not call it a
-directory; a directory that cannot be read is an error, not an empty run; folders written through the public
-``dcp.save``/``dcp.async_save`` with ``OrtStorageWriter`` are valid for ``verify``, ``inspect`` and ``consolidate``
-(their verdict matches what ``OrtStorageReader`` loads)."""
+directory; a directory that cannot be read is an error, not an empty run; a warning is one line; folders written
+through the public ``dcp.save``/``dcp.async_save`` with ``OrtStorageWriter`` are valid for ``verify``, ``inspect``
+and ``consolidate`` (their verdict matches what ``OrtStorageReader`` loads)."""
 
 from __future__ import annotations
 
@@ -191,3 +191,12 @@ def test_a_directory_that_cannot_be_read_is_an_error_not_an_empty_run(tmp_path: 
     assert f"INVALID {run}: cannot read this directory (Permission denied)" in outs["verify"].stderr
     assert "without checkpoints" not in outs["verify"].stderr
     assert cli("ls", run).returncode == 0  # readable again: the run is there
+
+
+def test_a_warning_is_one_line_in_the_users_terms(tmp_path: Path) -> None:
+    run = _train(tmp_path / "run", save_top_k=1, epochs=1)
+    os.mkfifo(run / "pipe.ckpt")
+    said = f"warning: {run / 'pipe.ckpt'} is skipped: it is not a regular file (a FIFO, socket or device)\n"
+    for command in ("ls", "verify"):
+        out = cli(command, run)
+        assert out.returncode == 0 and out.stderr == said, out  # no source path, line number or code line
