@@ -189,7 +189,7 @@ def _misfit(found: CheckpointContents | dict[str, Any], module: Any) -> str | No
     weights = found.get("state_dict") if isinstance(found, dict) else None
     if module is None or not isinstance(weights, dict):
         return None
-    own = {k: v for k, v in module.state_dict().items() if not _unmaterialized(v)}
+    own = {k: v for k, v in module.state_dict().items() if _known_shape(v)}
     missing = [k for k in own if k not in weights] if getattr(module, "strict_loading", True) else []
     shapes = [k for k in own if k in weights and tuple(getattr(weights[k], "shape", ())) != tuple(own[k].shape)]
     if missing:
@@ -201,11 +201,12 @@ def _misfit(found: CheckpointContents | dict[str, Any], module: Any) -> str | No
     return None
 
 
-def _unmaterialized(tensor: Any) -> bool:
-    """A lazy module's parameter or a tensor on the meta device: its shape is not known yet."""
+def _known_shape(value: Any) -> bool:
+    """A tensor whose shape is known: not a lazy module's parameter, not on the meta device, not a module's extra
+    state (any object)."""
     import torch  # loaded with Lightning by now
 
-    return torch.nn.parameter.is_lazy(tensor) or tensor.is_meta
+    return isinstance(value, torch.Tensor) and not torch.nn.parameter.is_lazy(value) and not value.is_meta
 
 
 def _shape(shape: Any) -> str:
