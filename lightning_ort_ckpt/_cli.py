@@ -219,7 +219,7 @@ def _report(path: str, verify: bool) -> tuple[dict[str, Any], bool]:
         return report, verify and reader.checksums is not None and reader.checksums.usable
 
 
-FABRIC_KEY = "lightning_ort_ckpt.fabric"  # what a fabric.save through the plugin records (``_fabric``)
+FABRIC_KEY = "lightning_ort_ckpt.fabric"  # _fabric.FABRIC_KEY, which a fabric.save records (_fabric needs torch)
 _INSPECT_HASH_BYTES = 64 << 20  # inspect hashes this much of the smallest tensors; verify hashes everything
 
 

@@ -1,7 +1,8 @@
 """``ort-ckpt`` for whole runs: the paths ``verify`` and ``inspect`` take (files, sharded checkpoint folders, run
 directories, local or remote, globs), and ``ort-ckpt ls RUN_DIR``, a local run as a table. A run directory is listed
 by the checkpoint registry (``_registry``, the listing "last" and retention use): its committed and half-written
-checkpoints; foreign files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote it).
+checkpoints; foreign files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote
+it).
 
 ``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records
 (none where the score is an older step's), its size on disk (a file with its ``.data``, or a folder's files; a file

@@ -2,12 +2,12 @@
 
 ORT's ``CheckpointState`` is one file (with ``.data`` past 2 GiB); a sharded save is a directory of shard files
 (``_dcp_folder``). :func:`consolidate` decodes the saved tree (a Lightning checkpoint's; a folder saved through the
-public ``dcp.save`` has none: every item DCP saved, by its flattened name) with a stand-in for each large tensor (a one-element
-tensor expanded to the saved shape: the right type and shape, no memory), translates it as any Lightning save is
-translated (``to_ort``: trainable parameters, ORT's ``group0`` optimizer state, the manifest), then hands the writer
-a :class:`~.format.Deferred` in place of each stand-in: the writer assembles that tensor from its chunks (checksums
-verified) only when it streams it, and lets it go before the next. Memory: one tensor (plus one chunk of it while it
-is copied in), whatever the checkpoint's size.
+public ``dcp.save`` has none: every item DCP saved, by its flattened name) with a stand-in for each large tensor (a
+one-element tensor expanded to the saved shape: the right type and shape, no memory), translates it as any Lightning
+save is translated (``to_ort``: trainable parameters, ORT's ``group0`` optimizer state, the manifest), then hands
+the writer a :class:`~.format.Deferred` in place of each stand-in: the writer assembles that tensor from its chunks
+(checksums verified) only when it streams it, and lets it go before the next. Memory: one tensor (plus one chunk of
+it while it is copied in), whatever the checkpoint's size.
 
 Optimizer state saved by ``torch.distributed.checkpoint.state_dict`` (what FSDP2 and ``ModelParallelStrategy`` save)
 is keyed by parameter name, not torch's index: it is renumbered in ``param_groups`` order, and those names tell which
