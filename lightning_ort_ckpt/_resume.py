@@ -238,6 +238,9 @@ class Resumption:
         if self.choice.path is None and self.choice.problems and rank_zero:
             warnings.warn(f'ckpt_path="last": no checkpoint in {directory} can be resumed from; training from '
                           'scratch (resume_fallback="scratch")', CheckpointWarning, stacklevel=3)
+        elif not _registry.committed(entries) and rank_zero:  # the first fit of a run: nothing to say but that
+            warnings.warn(f'ckpt_path="last": no checkpoint yet in {directory}, starting from step 0', UserWarning,
+                          stacklevel=3)
         return self.choice.path
 
     def unresumable(self, choice: LastChoice | None) -> bool:

@@ -1,7 +1,8 @@
 """``fit(ckpt_path="last")`` and ``ort-ckpt ls`` over a run directory holding more than the run's own checkpoints,
 with real Trainers and real files: an entry that is no regular file (a FIFO, a socket) named like a checkpoint is
 foreign, skipped with a warning, and the run resumes from the valid checkpoint beside it (issue 40); ``ls`` lists
-the run beside it. A newer checkpoint of another model is skipped like a damaged one (issue 42, point 6)."""
+the run beside it. A newer checkpoint of another model is skipped like a damaged one, and the first fit of a run
+says one line of ours (issue 42, point 6)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import re
 import shutil
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +124,14 @@ def test_none_resumable_is_one_line_per_checkpoint_then_one_hint(tmp_path: Path)
     assert sorted(line.split(": ", 1)[0] for line in lines[1:5]) == [f"  {n}" for n in sorted(names)], lines
     assert all(len(line) <= 2 + max(map(len, names)) + 2 + 200 and line.split(": ", 1)[1] for line in lines[1:5])
     assert len(lines) == 6 and lines[5].startswith("Fix or remove them, or pass resume_fallback=\"scratch\""), lines
+
+
+def test_the_first_fit_with_last_says_one_line_not_lightnings_hint(tmp_path: Path) -> None:
+    """Issue 42 point 6: an empty dirpath on the first ``fit(ckpt_path="last")``: our one line, not Lightning's hint
+    to set ``save_last=True`` (our "last" needs none)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(OrtCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1), 1, ckpt_path="last")
+    said = [str(w.message) for w in caught if "ckpt_path" in str(w.message) or "save_last" in str(w.message)]
+    assert said == [f'ckpt_path="last": no checkpoint yet in {tmp_path / "ckpts"}, starting from step 0'], said
+    assert trainer.ckpt_path is None and trainer.global_step == 4
