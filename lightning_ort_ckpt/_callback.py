@@ -105,8 +105,8 @@ class OrtCheckpointMixin(_Base):
         triggers: dict[str, Any] = {k: v for k, v in (
             ("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs),
             ("train_time_interval", train_time_interval)) if v is not None}
-        _check_arguments(self.plugin_class, triggers, keep_newest, include_optimizer_state, save_weights_only,
-                         checkpoint_io, settings, resume_fallback, export_best_to)
+        _check_arguments(self.plugin_class, dirpath, triggers, keep_newest, include_optimizer_state,
+                         save_weights_only, checkpoint_io, settings, resume_fallback, export_best_to)
         if keep_newest is not None and monitor is None and save_top_k == 1:
             save_top_k = -1  # without a metric, keep_newest alone decides which files go
         super().__init__(dirpath=local_path(dirpath) if dirpath is not None else None, filename=filename,
@@ -301,7 +301,8 @@ class OrtCheckpointMixin(_Base):
             self._preservation.take_half(entries)
         found = self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
                                       io=bound_plugin(trainer) or self.checkpoint_io,
-                                      storage_options=self.checkpoint_io.storage_options)
+                                      storage_options=self.checkpoint_io.storage_options,
+                                      module=trainer.lightning_module)
         return {found} if found else set()
 
     def state_dict(self) -> dict[str, Any]:
@@ -322,9 +323,12 @@ class OrtCheckpointMixin(_Base):
         return self._preservation.ledger.saved
 
 
-def _check_arguments(plugin_class: type, triggers: dict[str, Any], keep_newest: int | None,
+def _check_arguments(plugin_class: type, dirpath: Any, triggers: dict[str, Any], keep_newest: int | None,
                      include_optimizer_state: bool | None, save_weights_only: bool, checkpoint_io: Any,
                      settings: dict[str, Any], resume_fallback: str, export_best_to: Any) -> None:
+    if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+        raise CheckpointConfigError(f"dirpath must be a folder's path or URL (a str or os.PathLike) or None, got "
+                                    f"{type(dirpath).__name__} {dirpath!r}")
     for name, value in triggers.items():
         if name != "train_time_interval" and value < 0:
             raise CheckpointConfigError(f"{name} must be >= 0, got {value}")

@@ -13,8 +13,8 @@ A ``PATH`` is a file, an fsspec URL (``s3://...``, read with the store's default
 end with one summary line (``_cli_runs``). ``ort-ckpt ls DIR`` shows a run as a table; ``ort-ckpt consolidate DIR
 OUT.ckpt`` writes a sharded directory as one ORT file; ``ort-ckpt export FILE --module pkg.mod:Class --output
 model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra).
-Failures print one ``error: ...`` (or ``INVALID ...``) line per checkpoint, never a traceback, and exit 1; every
-command takes ``--json``.
+Failures print one ``error: ...`` (or ``INVALID ...``) line per checkpoint, never a traceback, and exit 1; a warning
+prints as one ``warning: ...`` line; every command takes ``--json``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .format import CheckpointContents, OptimizerGroup
 from .format._store import store_for
 from .format._reader import CheckpointReader, TensorInfo
 from .format._shared_data import damage_note
-from ._cli_runs import expand, ls, repair
+from ._cli_runs import expand, healable, ls, reading, repair
 from ._cli_text import first_line as _first_line
 from ._cli_text import shown as _shown
 from ._cli_text import size as _size
@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_export.add_argument("--json", action="store_true", help=json_help)
     args = parser.parse_args(argv)
     try:
-        return _run(args)
+        with warnings.catch_warnings():  # put back as it was when the command ends (main may run in a caller's process)
+            warnings.showwarning = _show_warning
+            return _run(args)
     except BrokenPipeError:  # `ort-ckpt inspect FILE | head`: the reader left; say nothing more
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
@@ -95,6 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a command line prints one error line, never a traceback
         _say_error(f"{type(e).__name__}: {_first_line(e)}", args)
         return 1
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """A warning as one line in the user's terms (``warning: ...``), not Python's format with a source path, line
+    number and code: the command's user did not write that code."""
+    print(f"warning: {_first_line(Warning(str(message)))}", file=sys.stderr)
 
 
 def _say_error(message: str, args: argparse.Namespace, prefix: str = "error: ") -> None:
@@ -181,7 +190,9 @@ def _one(args: argparse.Namespace, path: str) -> dict[str, Any]:
         return report
     print(_render(report))
     if report.get("damaged"):
-        print(f"error: {_shown(path)}: damaged, run verify: {_shown(report['damaged'])}", file=sys.stderr)
+        healing = report["damaged"].startswith("damaged copy, healable")
+        print(f"error: {_shown(path)}: {'' if healing else 'damaged, run verify: '}{_shown(report['damaged'])}",
+              file=sys.stderr)
     return report
 
 
@@ -191,21 +202,24 @@ def _report(path: str, verify: bool) -> tuple[dict[str, Any], bool]:
     mismatch is reported as ``damaged`` (the report is still shown) and the report's ``valid`` is False."""
     from ._loading import single_file
 
-    with (single_file(path) as single, store_for(single).fetched(single) as local,
-          CheckpointReader(local, heal=not verify) as reader):  # verify: the file as ORT reads it (no other copy)
+    with (single_file(path) as single, store_for(single).fetched(single) as local, reading(local) as reader):
         report = describe(reader)  # a URL: downloaded first; a sharded directory: consolidated
         if local != path:  # the report names the URL or directory, not the local copy
             report["file"] = path
             report["files"] = {path + name[len(local):]: size for name, size in report["files"].items()}
         if verify:
             reader.verify()
+            if (note := healable(reader)) is not None:  # whole for us, damaged for ORT: not valid
+                raise CorruptCheckpointError(note, path)
             report["lightning_check"] = _check_lightning(reader)
         else:
             report["checksums_checked"], report["damaged"] = _spot_check(reader)
+            report["damaged"] = report["damaged"] or healable(reader)
             report["valid"] = report["damaged"] is None
         return report, verify and reader.checksums is not None and reader.checksums.usable
 
 
+FABRIC_KEY = "lightning_ort_ckpt.fabric"  # _fabric.FABRIC_KEY, which a fabric.save records (_fabric needs torch)
 _INSPECT_HASH_BYTES = 64 << 20  # inspect hashes this much of the smallest tensors; verify hashes everything
 
 
@@ -246,8 +260,13 @@ def _check_lightning(reader: CheckpointReader) -> str | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         checkpoint = from_ort(_stand_ins(reader, EXTRA_PREFIX), reader.path)  # the bytes were verified just before
-    return _shown(f"decodes ({len(checkpoint)} keys, epoch {checkpoint.get('epoch')}, global step "
-                  f"{checkpoint.get('global_step')})")
+    counters = _known(("epoch", checkpoint.get("epoch")), ("global step", checkpoint.get("global_step")))
+    return _shown(f"decodes ({', '.join([f'{len(checkpoint)} keys', *counters])})")
+
+
+def _known(*named: tuple[str, Any]) -> list[str]:
+    """``name value`` for each value the file holds (a Fabric save has no epoch, step or Lightning version)."""
+    return [f"{name} {value}" for name, value in named if value is not None]
 
 
 def _stand_ins(reader: CheckpointReader, values_prefix: str) -> CheckpointContents:
@@ -509,8 +528,11 @@ def _render(r: dict[str, Any]) -> str:
                       f"{_shown(', '.join(g['momentum_names'])) or '-'} ({_size(g['bytes'])})"]
     if r["lightning"]:
         lt = r["lightning"]
-        lines += ["", _shown(f"Lightning checkpoint: epoch {lt['epoch']}, global step {lt['global_step']}, saved by "
-                             f"Lightning {lt['lightning_version']}; also holds {', '.join(lt['keys'])}")]
+        kind = "Fabric checkpoint" if FABRIC_KEY in lt["keys"] else "Lightning checkpoint"
+        known = _known(("epoch", lt["epoch"]), ("global step", lt["global_step"]),
+                       ("saved by Lightning", lt["lightning_version"]))
+        holds = ", ".join(k for k in lt["keys"] if k != FABRIC_KEY) or "nothing else"
+        lines += ["", _shown(f"{kind}: {', '.join(known)}; also holds {holds}" if known else f"{kind}: holds {holds}")]
     if r["properties"]:
         lines += ["", "properties:"]
         lines += [f"  {_shown(p['name'])} ({p['type']}) = {_value(p)}" for p in r["properties"]]

@@ -1,21 +1,27 @@
 """``ort-ckpt`` for whole runs: the paths ``verify`` and ``inspect`` take (files, sharded checkpoint folders, run
-directories, globs), and ``ort-ckpt ls RUN_DIR``, a run as a table. A run directory is listed by the checkpoint
-registry (``_registry``, the listing "last" and retention use): its committed and half-written checkpoints; foreign
-files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote it).
+directories, local or remote, globs), and ``ort-ckpt ls RUN_DIR``, a local run as a table. A run directory is listed
+by the checkpoint registry (``_registry``, the listing "last" and retention use): its committed and half-written
+checkpoints; foreign files are left out. Runs without torch unless a sharded checkpoint's folder is met (torch wrote
+it).
 
-``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records,
-its size on disk (a file with its ``.data``, or a folder's files; a file hard-linked by several checkpoints, as
-frozen sharing's ``.data`` are, counts once, for the first checkpoint that holds it), whether it is valid (the
-reader's every structural check; ``--verify`` hashes every tensor too) or why not, and which is the best (the
-``best_model_path`` the newest checkpoint's callback state records) and which the last.
+``ls`` shows each checkpoint of the directory with the step, epoch and monitored score its own metadata records
+(none where the score is an older step's), its size on disk (a file with its ``.data``, or a folder's files; a file
+hard-linked by several checkpoints, as frozen sharing's ``.data`` are, counts once, for the first checkpoint that
+holds it), whether it is valid (the
+reader's every structural check; ``--verify`` hashes every tensor too) or why not (last, so that a long reason moves
+no other column), and which is the best (the ``best_model_path`` the newest checkpoint's callback state records),
+which the last, and which are not among the top-k that state ranks (``unranked``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ._cli_text import shown as _shown
@@ -23,7 +29,7 @@ from ._cli_text import size as _size
 from ._cli_text import table as _table
 from ._registry import Entry, Kind, State, scan
 from ._translation import MANIFEST
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointWarning
 from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
 from .format._reader import CheckpointReader
 from .format._shared_data import repair as _repair
@@ -66,8 +72,11 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
             if not matches:
                 found.append((path, "no file or folder matches"))
         for match in matches:
-            if store_for(match).local and is_run_directory(match):
+            if is_run_directory(match):
                 several = True
+                if store_for(match).local and (why := unreadable(match)) is not None:
+                    found.append((match, why))
+                    continue
                 inside = [(e.path, None) for e in sorted(checkpoints(match), key=lambda e: e.path)]
                 found += inside or [(match, "a directory without checkpoints (no *.ckpt file or checkpoint "
                                             "folder)")]
@@ -77,9 +86,22 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
 
 
 def is_run_directory(path: str) -> bool:
-    """A local directory that is not itself a checkpoint (a committed or half-written checkpoint folder)."""
-    return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, FOLDER_COMMIT_NAME))
-            and not path.rstrip("/").endswith(CHECKPOINT_SUFFIX))
+    """A directory, local or remote (``s3://bucket/run``), that is not itself a checkpoint (a committed or
+    half-written checkpoint folder)."""
+    if path.rstrip("/").endswith(CHECKPOINT_SUFFIX):
+        return False
+    store = store_for(path)
+    return store.is_directory(path) and not store.exists(store.join(path, FOLDER_COMMIT_NAME))
+
+
+def unreadable(directory: str) -> str | None:
+    """Why the local ``directory`` cannot be listed (no permission, an I/O error), or None: a listing would
+    otherwise pass for an empty directory."""
+    try:
+        os.scandir(directory).close()
+    except OSError as e:
+        return f"cannot read this directory ({e.strerror or e})"
+    return None
 
 
 def checkpoints(directory: str) -> list[Entry]:
@@ -96,8 +118,12 @@ def _part_of_another(path: str) -> bool:
 # -- ls --------------------------------------------------------------------------------------------------------------
 def ls(directory: str, as_json: bool, verify: bool) -> int:
     """Print the table (or the JSON document) of ``directory``'s checkpoints; exit status 1 if one is not valid."""
-    if not os.path.isdir(directory):
-        message = f"{directory}: not a directory (ort-ckpt ls takes a run's checkpoint directory)"
+    why = ("a URL: ort-ckpt ls lists a local directory (ort-ckpt verify URL checks every checkpoint of a remote run)"
+           if not store_for(directory).local else
+           "not a directory (ort-ckpt ls takes a run's checkpoint directory)" if not os.path.isdir(directory) else
+           unreadable(directory))
+    if why is not None:
+        message = f"{directory}: {why}"
         print(json.dumps({"ok": False, "error": message}) if as_json else f"error: {_shown(message)}",
               file=sys.stdout if as_json else sys.stderr)
         return 1
@@ -114,11 +140,12 @@ def ls(directory: str, as_json: bool, verify: bool) -> int:
                           "invalid": len(invalid)}, indent=2, allow_nan=False, default=str))
         return 1 if invalid else 0
     monitor = next((r["monitor"] for r in rows if r["monitor"]), None)
-    header = ["checkpoint", "step", "epoch", monitor or "score", "size", "valid", ""]
+    header = ["checkpoint", "step", "epoch", monitor or "score", "size", "", "valid"]  # the free text last: a
+    # long reason never moves another row's columns
     table = [[_shown(r["name"] + (f" -> {r['link']}" if r["link"] else "")), _text(r["step"]), _text(r["epoch"]),
               _score(r["score"]), _size(r["bytes"]) + (f" (+{_size(r['shared_bytes'])} shared)"
                                                        if r["shared_bytes"] else ""),
-              "ok" if not r["problem"] else _shown(r["problem"]), ", ".join(r["marks"])] for r in rows]
+              ", ".join(r["marks"]), "ok" if not r["problem"] else _shown(r["problem"])] for r in rows]
     for line in _table(header, table, right={1, 2, 3, 4}):
         print(line)
     check = "every tensor's checksum checked" if verify else "structure checked; --verify hashes every tensor"
@@ -132,7 +159,8 @@ def _row(entry: Entry, verify: bool) -> dict[str, Any]:
     folder = entry.kind is Kind.FOLDER
     row: dict[str, Any] = {"name": os.path.basename(entry.path), "path": entry.path,
                            "kind": "folder" if folder else "file", "step": entry.step, "epoch": entry.epoch,
-                           "monitor": None, "score": None, "best_model_path": None, "problem": entry.problem,
+                           "monitor": None, "score": None, "best_model_path": None, "ranks": None,
+                           "problem": entry.problem,
                            "link": _link(entry.path), "files": _files(entry.path, folder)}
     if entry.state is State.HALF:
         row["problem"] = f"half-written: a checkpoint folder without {FOLDER_COMMIT_NAME} (its save did not finish)"
@@ -153,12 +181,34 @@ def _files(path: str, folder: bool) -> list[str]:
 
 def _file_row(row: dict[str, Any], path: str, verify: bool) -> None:
     try:
-        with CheckpointReader(path) as reader:
+        with reading(path) as reader:
             if verify:
                 reader.verify()
             _from_metadata(row, reader)
+            row["problem"] = healable(reader)
     except CheckpointError as e:
         row["problem"] = str(e).removeprefix(f"{path}: ")
+
+
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[CheckpointReader]:
+    """The checkpoint ``path`` open for every command, as this library reads it (a frozen tensor damaged in a shared
+    ``.data`` read from another copy, without a warning: :func:`healable` says it in the command's own terms)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        with CheckpointReader(path) as reader:
+            yield reader
+
+
+def healable(reader: CheckpointReader) -> str | None:
+    """Why a checkpoint that read whole only through another copy of its shared ``.data`` is not valid: ONNX
+    Runtime's reader has no such fallback (every command says it, and counts it as not valid); None otherwise."""
+    if not reader.healed:
+        return None
+    name, other = reader.healed[0]
+    more = f" (and {len(reader.healed) - 1} more)" if len(reader.healed) > 1 else ""
+    return (f"damaged copy, healable: run `ort-ckpt verify --repair`: frozen tensor {name!r}{more} is damaged in "
+            f"{reader.data_path}, intact in the other copy {other}")
 
 
 def _verify_folder(row: dict[str, Any], path: str) -> None:
@@ -166,7 +216,7 @@ def _verify_folder(row: dict[str, Any], path: str) -> None:
     from ._loading import single_file
 
     try:
-        with single_file(path) as single, CheckpointReader(single) as reader:
+        with single_file(path) as single, reading(single) as reader:
             reader.verify()
     except CheckpointError as e:
         row["problem"] = str(e)
@@ -188,7 +238,12 @@ def _from_metadata(row: dict[str, Any], reader: CheckpointReader) -> None:
             row["monitor"] = state["monitor"]
             row["best_model_path"] = state.get("best_model_path") if isinstance(state.get("best_model_path"),
                                                                                 str) else None
-            row["score"] = _tensor_value(reader, state.get("current_score"))
+            ranked = state.get("best_k_models")
+            row["ranks"] = [os.path.basename(p) for p in ranked if isinstance(p, str)] \
+                if isinstance(ranked, dict) else None
+            scored_at = state.get("current_score_step")  # OrtCheckpoint's: the step the score was logged at
+            if not isinstance(scored_at, int) or scored_at == row["step"]:  # else it is an older step's: stale
+                row["score"] = _tensor_value(reader, state.get("current_score"))
             return
 
 
@@ -224,15 +279,19 @@ def _sizes(files: list[str], seen: set[tuple[int, int]]) -> tuple[int, int]:
 
 def _mark(rows: list[dict[str, Any]]) -> None:
     """``best``: the checkpoint the newest one's callback state calls best; ``last``: Lightning's last name, or
-    the newest checkpoint when there is none."""
+    the newest checkpoint when there is none; ``unranked``: not among the top-k that state ranks (a ``last`` copy, a
+    periodic save)."""
     newest = next((r for r in reversed(rows) if r["best_model_path"]), None)
     best = os.path.basename(newest["best_model_path"]) if newest else None
+    ranks = next((r["ranks"] for r in reversed(rows) if r.get("ranks")), None)
     lasts = [r for r in rows if r["name"].startswith("last") and not r["problem"]]
     last = lasts[-1]["name"] if lasts else next((r["name"] for r in reversed(rows) if not r["problem"]), None)
     for r in rows:
-        r["marks"] = [m for m, hit in (("best", r["name"] == best), ("last", r["name"] == last)) if hit]
+        r["ranked"] = None if ranks is None else r["name"] in ranks
+        r["marks"] = [m for m, hit in (("best", r["name"] == best), ("last", r["name"] == last),
+                                       ("unranked", r["ranked"] is False)) if hit]
         r["best"], r["last"] = "best" in r["marks"], "last" in r["marks"]
-        del r["best_model_path"]
+        del r["best_model_path"], r["ranks"]
 
 
 def _text(value: int | None) -> str:

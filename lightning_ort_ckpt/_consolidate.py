@@ -1,12 +1,13 @@
 """One ORT checkpoint file from a sharded checkpoint directory, a tensor at a time.
 
 ORT's ``CheckpointState`` is one file (with ``.data`` past 2 GiB); a sharded save is a directory of shard files
-(``_dcp_folder``). :func:`consolidate` decodes the saved tree with a stand-in for each large tensor (a one-element
-tensor expanded to the saved shape: the right type and shape, no memory), translates it as any Lightning save is
-translated (``to_ort``: trainable parameters, ORT's ``group0`` optimizer state, the manifest), then hands the writer
-a :class:`~.format.Deferred` in place of each stand-in: the writer assembles that tensor from its chunks (checksums
-verified) only when it streams it, and lets it go before the next. Memory: one tensor (plus one chunk of it while it
-is copied in), whatever the checkpoint's size.
+(``_dcp_folder``). :func:`consolidate` decodes the saved tree (a Lightning checkpoint's; a folder saved through the
+public ``dcp.save`` has none: every item DCP saved, by its flattened name) with a stand-in for each large tensor (a
+one-element tensor expanded to the saved shape: the right type and shape, no memory), translates it as any Lightning
+save is translated (``to_ort``: trainable parameters, ORT's ``group0`` optimizer state, the manifest), then hands
+the writer a :class:`~.format.Deferred` in place of each stand-in: the writer assembles that tensor from its chunks
+(checksums verified) only when it streams it, and lets it go before the next. Memory: one tensor (plus one chunk of
+it while it is copied in), whatever the checkpoint's size.
 
 Optimizer state saved by ``torch.distributed.checkpoint.state_dict`` (what FSDP2 and ``ModelParallelStrategy`` save)
 is keyed by parameter name, not torch's index: it is renumbered in ``param_groups`` order, and those names tell which
@@ -16,17 +17,18 @@ is keyed by parameter name, not torch's index: it is renumbered in ``param_group
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ._dcp_folder import is_sharded_checkpoint, read_metadata
-from ._dcp_metadata import dtype_of
+from ._dcp_metadata import Location, dtype_of
 from ._dcp_reader import ShardFiles
 from ._translation import values
 from ._translation.lightning_dict import ModuleInfo, to_ort
@@ -46,6 +48,10 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     back as the Lightning checkpoint it was. Streams one tensor at a time. ``storage_options``: fsspec's, for ``src``
     and ``out`` where they are URLs. Raises :class:`CorruptCheckpointError` naming the file on damage."""
     src, out = os.fspath(src), os.fspath(out)
+    store = store_for(src, storage_options)
+    if not store.is_directory(src):
+        raise CheckpointError("a file, not a sharded checkpoint folder: it is one checkpoint file already, nothing to "
+                              "consolidate" if store.exists(src) else "no such folder", src)
     doc = read_metadata(src, storage_options)
     with ShardFiles(src, storage_options) as files:
         stand_ins: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
@@ -62,7 +68,7 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
             return stand_in
 
         try:
-            tree = values.decode(doc["tree"], source)
+            tree = values.decode(doc["tree"], source) if doc["tree"] is not None else _saved_items(doc, source, files)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CorruptCheckpointError(f"its saved tree does not decode ({e})", src) from None
         if not isinstance(tree, dict):
@@ -75,6 +81,17 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
             raise CheckpointError(str(e), src) from None
         _defer(contents, stand_ins, files)
         save_checkpoint(contents, out, store=store_for(out, storage_options))
+
+
+def _saved_items(doc: dict[str, Any], source: Callable[[Any], torch.Tensor], files: ShardFiles) -> dict[str, Any]:
+    """The state of a folder saved through the public ``dcp.save`` with ``OrtStorageWriter`` (no Lightning tree in
+    its metadata): every item DCP saved, by its flattened name (``model.weight``, ``optim.param_groups.0.lr``); an
+    ``io.BytesIO`` item as its bytes."""
+    items: dict[str, Any] = {fqn: source(fqn) for fqn in doc["tensors"]}
+    for fqn, b in doc["bytes"].items():
+        value = files.value(Location(b["file"], b["name"], b["kind"]))
+        items[fqn] = value.getvalue() if isinstance(value, io.BytesIO) else value
+    return items
 
 
 def _defer(contents: CheckpointContents, stand_ins: dict[int, tuple[torch.Tensor, dict[str, Any]]],

@@ -398,12 +398,8 @@ def _resolving_last(original: Callable[..., Any]) -> Callable[..., Any]:
         ours = [cb for cb in trainer.checkpoint_callbacks if callable(getattr(cb, "resolve_last", None))]
         competing = any(type(cb).__name__ == "OnExceptionCheckpoint" for cb in trainer.callbacks)
         if ckpt_path == "last" and len(ours) == 1 == len(trainer.checkpoint_callbacks) and not competing:
-            found = ours[0].resolve_last(trainer)
-            if found is None:  # Lightning's own warning, from its own module
-                sys.modules[type(self).__module__].rank_zero_warn(
-                    f'.{state_fn.value}(ckpt_path="last") is set, but there is no last checkpoint available. No '
-                    "checkpoint will be loaded. HINT: Set `ModelCheckpoint(..., save_last=True)`.")
-            return found
+            return ours[0].resolve_last(trainer)  # which says why where it found none (not Lightning's hint
+            # to set save_last: our "last" needs no save_last)
         return original(self, state_fn, ckpt_path, *args, **kwargs)
 
     setattr(_parse_ckpt_path, _MARK, True)

@@ -23,6 +23,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
+from .errors import CheckpointError
 from .format._store import StorageOptions, store_for
 
 M = TypeVar("M")
@@ -57,7 +58,10 @@ def load(path: str | os.PathLike[str], map_location: Any = None,
          storage_options: StorageOptions | None = None) -> dict[str, Any]:
     """Lightning's checkpoint dict of ``path``, as ``torch.load`` gives it for Lightning's own files: an ORT file
     (checksums verified), a sharded checkpoint folder, or a torch ``.ckpt`` (``weights_only=True``: no code in it
-    runs); ``path`` may be an fsspec URL. ``map_location`` as ``torch.load``'s."""
+    runs); ``path`` may be an fsspec URL. ``map_location`` as ``torch.load``'s. A path where nothing is is our
+    error saying so (not that a file is damaged)."""
+    if not store_for(os.fspath(path), storage_options).exists(os.fspath(path)):
+        raise CheckpointError("no such file or folder: nothing to load", path)
     from ._reading import is_ort_checkpoint, load_ort_for_lightning, map_location_of, read_any_checkpoint
 
     with single_file(path) as single:

@@ -4,7 +4,9 @@ ranks' agreement (and, next, ``ort-ckpt ls`` and the loggers).
 A checkpoint is one unit: a file with its ``.data``, or a folder (a sharded checkpoint, committed by its
 ``checkpoint.ort-meta``). :func:`scan` lists a directory through its :class:`~.format._store.Store` (local or remote)
 and says of every visible entry whether it is a committed checkpoint, a half-written one (a checkpoint folder whose
-save did not finish: skipped, and cleaned after the next save) or foreign (anything else: never touched). Committed
+save did not finish: skipped, and cleaned after the next save) or foreign (anything else: never touched; an entry
+named like a checkpoint that is no regular file, a FIFO, socket or device, is foreign too, with a warning: one odd
+entry never stops the scan). Committed
 checkpoints come newest first by the step recorded in their own metadata (a file's Lightning metadata, read
 without its tensors; a folder's metadata document), then by save order (when the file, or the folder's metadata
 file, was committed), never by a folder's modification time. A checkpoint whose step cannot be known without
@@ -17,11 +19,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointWarning
 from .format import open_checkpoint
 from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
 from .format._schema import FILE_IDENTIFIER
@@ -66,7 +69,7 @@ def scan(directory: str, store: Store, storage_options: StorageOptions | None = 
         if _inside_any(path, checkpoints, extension) or (path.endswith(DATA_SUFFIX)
                                                          and path[:-len(DATA_SUFFIX)].endswith(extension)):
             continue  # a checkpoint folder's own files, a checkpoint's .data: parts of one unit
-        entries.append(_file(store, path) if path.endswith(extension) else
+        entries.append(_named_file(store, path) if path.endswith(extension) else
                        Entry(path, Kind.FILE, State.FOREIGN, saved=store.modified(path)))
     if sizes:
         entries = [_with_size(store, e) for e in entries]
@@ -111,6 +114,17 @@ def _folder(store: Store, path: str, storage_options: StorageOptions | None) -> 
     except CheckpointError:
         problem = f"a checkpoint folder whose {FOLDER_COMMIT_NAME} is damaged"
     return Entry(path, Kind.FOLDER, State.COMMITTED, step, epoch, store.modified(meta), problem)
+
+
+def _named_file(store: Store, path: str) -> Entry:
+    """A file named like a checkpoint: one (:func:`_file`), or, where it is no regular file (a FIFO, socket or
+    device, which the store refuses to read), a foreign entry, with a warning."""
+    try:
+        return _file(store, path)
+    except CheckpointError as e:
+        why = str(e).removeprefix(f"{path}: ").removeprefix("checkpoint ")
+        warnings.warn(f"{path} is skipped: it {why}", CheckpointWarning, stacklevel=3)
+        return Entry(path, Kind.FILE, State.FOREIGN, saved=store.modified(path))
 
 
 def _file(store: Store, path: str) -> Entry:

@@ -7,7 +7,8 @@ ranks take the newest by the listing (Lightning asks before the process group is
 checked while they load, on every rank, and a load that fails on any rank falls back, on every rank together, to
 the next committed checkpoint (:func:`falling_back`). Where the directory holds checkpoints and none can be resumed,
 "last" is a :class:`~.errors.CheckpointError` listing each and why, unless the user chose
-``resume_fallback="scratch"``.
+``resume_fallback="scratch"``. A file whose weights do not fit the module being fit (a foreign file newer than the
+run's own) is skipped like a damaged one, before Lightning's load would crash the fit.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class LastChoice:
 
 
 def resolve_last(entries: list[_registry.Entry], *, rank_zero: bool, io: Holder,
-                 storage_options: StorageOptions | None) -> LastChoice:
-    """The newest committed checkpoint of ``entries`` that can resume a fit (see the module doc); on rank 0 a
-    warning names each one skipped and why."""
+                 storage_options: StorageOptions | None, module: Any = None) -> LastChoice:
+    """The newest committed checkpoint of ``entries`` that can resume a fit of ``module`` (see the module doc); on
+    rank 0 a warning names each one skipped and why."""
     problems: list[tuple[str, str]] = []
     usable = [e for e in _registry.committed(entries) if e.problem is None]
     for entry in _registry.committed(entries):
@@ -66,11 +67,14 @@ def resolve_last(entries: list[_registry.Entry], *, rank_zero: bool, io: Holder,
             return LastChoice(entry.path, entry.kind is _registry.Kind.FOLDER, rest, tuple(problems))
         try:
             found = resumable(entry.path, storage_options)
+            misfit = _misfit(found, module)
+            if misfit:
+                raise CheckpointError(f"its weights do not fit the module being fit: {misfit}", entry.path)
         except CheckpointError as e:
             why = str(e).removeprefix(f"{entry.path}: ")
             note = damage_note(entry.path, str(e))  # a shared .data: how many checkpoints it takes with it
-            problems.append((entry.path, why + (f"; {note}" if note else "")))
-            _warn_skipped(rank_zero, entry.path, problems[-1][1])
+            problems.append((entry.path, why))
+            _warn_skipped(rank_zero, entry.path, why + (f"; {note}" if note else ""))
             continue
         io.hold(entry.path, found)
         return LastChoice(entry.path, False, rest, tuple(problems))
@@ -78,11 +82,31 @@ def resolve_last(entries: list[_registry.Entry], *, rank_zero: bool, io: Holder,
 
 
 def unresumable(directory: str, choice: LastChoice) -> CheckpointError:
-    """O1: the directory holds checkpoints and none can be resumed."""
-    listed = "; ".join(f"{path} ({why})" for path, why in choice.problems)
-    return CheckpointError(f'ckpt_path="last": none of its {len(choice.problems)} checkpoint(s) can be resumed '
-                           f"from: {listed}. Fix or remove them, or pass resume_fallback=\"scratch\" to OrtCheckpoint "
-                           "to train from scratch beside them", directory)
+    """O1: the directory holds checkpoints and none can be resumed: a line for each and why (the warnings said
+    more), then one hint."""
+    lines = [f"  {_relative(path, directory)}: {_one_line(why)}" for path, why in choice.problems]
+    repair = any(damage_note(path, why) for path, why in choice.problems)
+    hint = (f"`ort-ckpt verify --repair {directory}` repairs a shared .data where another copy is intact; else fix or "
+            "remove them, " if repair else "Fix or remove them, ")
+    return CheckpointError("\n".join([
+        f'ckpt_path="last": none of its {len(choice.problems)} checkpoint(s) can be resumed from:', *lines,
+        f'{hint}or pass resume_fallback="scratch" to OrtCheckpoint to train from scratch beside them.']), directory)
+
+
+_REASON_CHARACTERS = 200  # a reason longer than this is cut: each skipped file's warning gave it whole
+
+
+def _one_line(why: str) -> str:
+    why = " ".join(why.split())
+    return why if len(why) <= _REASON_CHARACTERS else why[:_REASON_CHARACTERS - 3].rstrip() + "..."
+
+
+def _relative(path: str, directory: str) -> str:
+    """``path`` as a name inside ``directory`` where it is one (its own line says the directory), else whole."""
+    for sep in ("/", "\\"):
+        if path.startswith(directory.rstrip(sep) + sep):
+            return path[len(directory.rstrip(sep)) + 1:]
+    return path
 
 
 def adopt(mine: LastChoice | None, agreed: LastChoice | None, io: Holder,
@@ -157,6 +181,38 @@ def resumable(path: str, storage_options: StorageOptions | None) -> CheckpointCo
     return found
 
 
+def _misfit(found: CheckpointContents | dict[str, Any], module: Any) -> str | None:
+    """Why the weights of ``found`` (a Lightning checkpoint dict) cannot load into ``module``, as Lightning's load
+    would find (a parameter or buffer of the module missing from the file under ``strict_loading``, or of another
+    shape), or None. Entries the module does not have are not judged: a module may build more layers later, in
+    ``configure_model``; nor is a module without any tensor yet, or a tensor not materialized yet."""
+    weights = found.get("state_dict") if isinstance(found, dict) else None
+    if module is None or not isinstance(weights, dict):
+        return None
+    own = {k: v for k, v in module.state_dict().items() if _known_shape(v)}
+    missing = [k for k in own if k not in weights] if getattr(module, "strict_loading", True) else []
+    shapes = [k for k in own if k in weights and tuple(getattr(weights[k], "shape", ())) != tuple(own[k].shape)]
+    if missing:
+        return f"the file lacks {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+    if shapes:
+        k = shapes[0]
+        return (f"{k!r} is {_shape(weights[k].shape)} in the file, {_shape(own[k].shape)} in the module"
+                + (f" ({len(shapes) - 1} more differ)" if len(shapes) > 1 else ""))
+    return None
+
+
+def _known_shape(value: Any) -> bool:
+    """A tensor whose shape is known: not a lazy module's parameter, not on the meta device, not a module's extra
+    state (any object)."""
+    import torch  # loaded with Lightning by now
+
+    return isinstance(value, torch.Tensor) and not torch.nn.parameter.is_lazy(value) and not value.is_meta
+
+
+def _shape(shape: Any) -> str:
+    return "x".join(map(str, shape)) or "a scalar"
+
+
 def _warn_skipped(rank_zero: bool, path: str, why: str) -> None:
     if rank_zero:
         warnings.warn(f"{path} cannot be resumed from ({why}); trying the next newest checkpoint", CheckpointWarning,
@@ -172,15 +228,19 @@ class Resumption:
         self.choice: LastChoice | None = None
 
     def find(self, entries: list[_registry.Entry], directory: str, *, rank_zero: bool, alone: bool, io: Holder,
-             storage_options: StorageOptions | None) -> str | None:
-        """Resolve "last" over ``entries`` (``alone``: one rank, which raises O1 at once; several ranks raise it
-        together in :meth:`agree`)."""
-        self.choice = resolve_last(entries, rank_zero=rank_zero, io=io, storage_options=storage_options)
+             storage_options: StorageOptions | None, module: Any = None) -> str | None:
+        """Resolve "last" over ``entries`` for a fit of ``module`` (``alone``: one rank, which raises O1 at once;
+        several ranks raise it together in :meth:`agree`)."""
+        self.choice = resolve_last(entries, rank_zero=rank_zero, io=io, storage_options=storage_options,
+                                   module=module)
         if alone and self.unresumable(self.choice):
             raise unresumable(directory, self.choice)
         if self.choice.path is None and self.choice.problems and rank_zero:
             warnings.warn(f'ckpt_path="last": no checkpoint in {directory} can be resumed from; training from '
                           'scratch (resume_fallback="scratch")', CheckpointWarning, stacklevel=3)
+        elif not _registry.committed(entries) and rank_zero:  # the first fit of a run: nothing to say but that
+            warnings.warn(f'ckpt_path="last": no checkpoint yet in {directory}, starting from step 0', UserWarning,
+                          stacklevel=3)
         return self.choice.path
 
     def unresumable(self, choice: LastChoice | None) -> bool:

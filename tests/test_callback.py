@@ -525,10 +525,10 @@ def test_resume_last_with_every_file_damaged_raises_one_error_listing_each(tmp_p
     with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as raised:
         fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1), 2, ckpt_path="last")
     message = str(raised.value)
-    assert message.startswith(f'{tmp_path}: ckpt_path="last": none of its 2 checkpoint(s) can be resumed from: '), \
+    assert message.startswith(f'{tmp_path}: ckpt_path="last": none of its 2 checkpoint(s) can be resumed from:\n'), \
         message
     for damaged in (name(1, 8), name(0, 4)):
-        assert f"{tmp_path / damaged} (" in message, message
+        assert f"\n  {damaged}: " in message, message
     assert 'resume_fallback="scratch"' in message
     assert files_after_fit(tmp_path) == {name(0, 4), name(1, 8)}  # nothing trained, nothing written
 
@@ -538,8 +538,7 @@ def test_resume_last_with_every_file_damaged_starts_fresh_when_asked(tmp_path: A
     assert files_after_fit(tmp_path) == {name(0, 4), name(1, 8)}
     _damage(tmp_path / name(0, 4), -1)  # truncated to half
     _damage(tmp_path / name(1, 8), 0)  # empty
-    with pytest.warns(CheckpointWarning) as record, \
-            pytest.warns(UserWarning, match="there is no last checkpoint available"):
+    with pytest.warns(CheckpointWarning) as record:
         trainer = fit(OrtCheckpoint(dirpath=tmp_path, save_top_k=-1, resume_fallback="scratch"), 2,
                       ckpt_path="last")
     damaged = {str(tmp_path / name(0, 4)), str(tmp_path / name(1, 8))}

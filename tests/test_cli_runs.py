@@ -139,9 +139,9 @@ def test_ls_shows_the_run(run_dir: Path) -> None:
     assert set(rows) == set(by_name) and len(rows) == 3 and "last.ckpt" in rows  # the top 2 and last
     scores = {n: c["score"] for n, c in by_name.items()}
     best = min((n for n in by_name if n != "last.ckpt"), key=lambda n: scores[n])
-    assert [n for n, c in by_name.items() if c["best"]] == [best] and rows[best].rstrip().endswith("best")
+    assert [n for n, c in by_name.items() if c["best"]] == [best] and rows[best].split()[-2:] == ["best", "ok"]
     assert [n for n, c in by_name.items() if c["last"]] == ["last.ckpt"]
-    assert rows["last.ckpt"].rstrip().endswith("last")
+    assert rows["last.ckpt"].split()[-3:] == ["last,", "unranked", "ok"]  # a copy of the newest: not ranked
     assert by_name["last.ckpt"]["step"] == 6 and by_name["last.ckpt"]["epoch"] == 2
     # the 1 MiB frozen layer lives in .data files hard-linked between saves (two copies): each inode counted once
     files = [str(f) for f in run_dir.iterdir() if not f.name.startswith(".")]

@@ -4,12 +4,14 @@ folders written by ``save_sharded``, on the local disk and on ``memory://``.
 Checked: committed checkpoints come newest first by the step their own metadata records (a file's Lightning
 metadata, a folder's metadata document), whatever the modification times say; a folder without its metadata is
 half-written; anything else is foreign; a checkpoint's ``.data`` and a folder's own files are parts of one unit; a
-damaged entry is committed with its problem; sizes on request.
+damaged entry is committed with its problem; an entry that is no regular file (a FIFO, a socket) is foreign, with a
+warning, and never stops the scan; sizes on request.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 import warnings
@@ -22,6 +24,7 @@ import torch
 from lightning_ort_ckpt import OrtCheckpointIO
 from lightning_ort_ckpt._dcp_storage import METADATA_NAME, save_sharded
 from lightning_ort_ckpt._registry import Kind, State, committed, half, scan
+from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format._store import store_for
 
 
@@ -119,3 +122,23 @@ def test_remote_files_are_not_downloaded_to_be_listed(monkeypatch: pytest.Monkey
         fsspec.filesystem("memory").rm(dirpath, recursive=True)
     assert [(os.path.basename(e.path), e.step) for e in entries] == [("step=4.ckpt", 4), ("step=2.ckpt", None)]
     assert fetched == [f"{dirpath}/step=4.ckpt/{METADATA_NAME}"]  # the folder's metadata only
+
+
+def test_a_fifo_or_socket_named_like_a_checkpoint_is_foreign_and_the_scan_goes_on(tmp_path: Path) -> None:
+    """Issue 40: one odd entry never stops the listing that "last", retention and ``ls`` rely on."""
+    d = str(tmp_path)
+    _file(f"{d}/step=2.ckpt", 2)
+    os.mkfifo(f"{d}/pipe.ckpt")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(f"{d}/sock.ckpt")
+    try:
+        with pytest.warns(CheckpointWarning) as caught:
+            entries = scan(d, store_for(d))
+    finally:
+        sock.close()
+    assert [(os.path.basename(e.path), e.state) for e in entries] == [
+        ("step=2.ckpt", State.COMMITTED), ("pipe.ckpt", State.FOREIGN), ("sock.ckpt", State.FOREIGN)]
+    assert entries[0].step == 2 and entries[0].problem is None
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2 and all("not a regular file" in m and "skipped" in m for m in messages), messages
+    assert f"{d}/pipe.ckpt" in messages[0] and f"{d}/sock.ckpt" in messages[1], messages

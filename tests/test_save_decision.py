@@ -126,7 +126,7 @@ def test_rank_zero_reads_candidates_until_one_resumes_and_lists_the_others(tmp_p
     adopted = _Held()
     assert adopt(other, choice, adopted, None) and adopted.held == [other.path]  # handed rank 0's file
     message = str(unresumable(str(tmp_path), LastChoice(problems=(("x.ckpt", "empty"),))))
-    assert "none of its 1 checkpoint(s) can be resumed from: x.ckpt (empty)" in message
+    assert "none of its 1 checkpoint(s) can be resumed from:\n  x.ckpt: empty\n" in message
 
 
 def test_a_sharded_load_that_fails_falls_back_to_the_next_committed_folder(tmp_path: Path) -> None:
