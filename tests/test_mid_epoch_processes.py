@@ -26,13 +26,13 @@ import pytest
 from launching import launch_script
 
 SCRIPT = r'''
-import json, os, signal, sys
+import json, os, random, signal, sys
 import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from pytorch_lightning.strategies import ModelParallelStrategy
-from lightning_ort_ckpt import OrtCheckpoint
+from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
 
 
 class Indexed(Dataset):
@@ -41,6 +41,47 @@ class Indexed(Dataset):
 
     def __getitem__(self, i):
         return torch.tensor([float(i)])
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        return (torch.tensor([float(i)]) for i in range(rank, 48, 2))
+
+
+class ShuffledBatches:
+    """A custom batch sampler, deterministic given Python's random state when its epoch starts."""
+
+    def __init__(self, n, size):
+        self.n, self.size = n, size
+
+    def __iter__(self):
+        order = list(range(self.n))
+        random.shuffle(order)
+        return iter([order[i:i + self.size] for i in range(0, self.n, self.size)])
+
+    def __len__(self):
+        return -(-self.n // self.size)
+
+
+def make_loader(name, workers):
+    from pytorch_lightning.utilities import CombinedLoader
+    if name == "sequential":
+        return DataLoader(Indexed(), batch_size=4, num_workers=workers)
+    if name == "shuffle":
+        return DataLoader(Indexed(), batch_size=4, shuffle=True, num_workers=workers)
+    if name == "drop_last":
+        return DataLoader(Indexed(), batch_size=5, shuffle=True, drop_last=True)
+    if name == "persistent":
+        return DataLoader(Indexed(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+    if name == "batch_sampler":
+        return DataLoader(Indexed(), batch_sampler=ShuffledBatches(24, 4))
+    if name == "several":
+        return CombinedLoader([DataLoader(Indexed(), batch_size=4, shuffle=True),
+                               DataLoader(torch.utils.data.Subset(Indexed(), range(36)), batch_size=4, shuffle=True)])
+    if name == "iterable":
+        return DataLoader(Stream(), batch_size=4)
+    raise ValueError(name)
 
 
 class Net(pl.LightningModule):
@@ -61,9 +102,10 @@ class Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         if self.kill_at is not None and self.global_step == self.kill_at:
             os.kill(os.getpid(), self.sig)  # SIGTERM: Lightning ends the step, then saves on the exception
+        parts = batch if isinstance(batch, list) else [batch]
         with open(os.path.join(self.out, f"{self.name}.seen{self.global_rank}.jsonl"), "a") as f:
-            f.write(json.dumps([self.global_step, [int(v) for v in batch.flatten().tolist()]]) + "\n")
-        return self.l2(self.drop(torch.tanh(self.l1(batch / 48)))).square().mean()
+            f.write(json.dumps([self.global_step, [int(v) for p in parts for v in p.flatten().tolist()]]) + "\n")
+        return self.l2(self.drop(torch.tanh(self.l1(torch.cat(parts) / 48)))).square().mean()
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
@@ -72,15 +114,16 @@ class Net(pl.LightningModule):
 def fit(out, kind, name, max_steps, ckpt_path=None, every=3, kill_at=None, sig=signal.SIGKILL):
     pl.seed_everything(0)
     devices = 1 if kind == "single" else 2
+    how, _, data = kind.partition("-")
     strategy = {"single": "auto", "ddp": "ddp",
-                "mp": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)}[kind]
+                "mp": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)}[how]
     cb = OrtCheckpoint(os.path.join(out, kind, "ckpts"), every_n_train_steps=every, save_top_k=-1,
-                       save_on_exception=True)
+                       save_on_exception=True, checkpoint_io=OrtCheckpointIO(fast_forward_iterables=True))
     trainer = pl.Trainer(max_steps=max_steps, strategy=strategy, devices=devices, accelerator="cpu", logger=False,
                          callbacks=[cb], num_sanity_val_steps=0, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0)
-    loader = DataLoader(Indexed(), batch_size=4, shuffle=True, num_workers=1 if kind == "single" else 0)
-    trainer.fit(Net(out, f"{kind}-{name}", kind == "mp", kill_at, sig), loader, ckpt_path=ckpt_path)
+    loader = make_loader(data or "shuffle", 1 if kind == "single" else 0)
+    trainer.fit(Net(out, f"{kind}-{name}", how == "mp", kill_at, sig), loader, ckpt_path=ckpt_path)
 
 
 out, phase, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
@@ -125,19 +168,25 @@ def run(script: Path, out: Path, phase: str, kinds: str, timeout: float = 300) -
     launch_script(script, [str(out), phase, kinds], f"the run ({phase} {kinds})", timeout)
 
 
+WORLD_SIZE_2 = ["ddp-sequential", "ddp-shuffle", "ddp-drop_last", "ddp-persistent", "ddp-batch_sampler",
+                "ddp-several", "ddp-iterable", "mp-shuffle"]
+"""Under DDP every loader kind (the DistributedSampler Lightning injects shuffles or not as the loader did; an
+IterableDataset is read and dropped with fast_forward_iterables); under ModelParallel (a sharded folder) one."""
+
+
 def test_two_ranks_resume_at_their_batch_under_ddp_and_a_sharded_strategy(script: Path, tmp_path: Path) -> None:
-    run(script, tmp_path, "first", "ddp,mp")
-    for kind in ("ddp", "mp"):
+    run(script, tmp_path, "first", ",".join(WORLD_SIZE_2), timeout=600)
+    for kind in WORLD_SIZE_2:
         assert (tmp_path / kind / "ckpts" / "epoch=1-step=8.ckpt").exists()
-    run(script, tmp_path, "resume", "ddp,mp")
-    for kind in ("ddp", "mp"):
+    run(script, tmp_path, "resume", ",".join(WORLD_SIZE_2), timeout=600)
+    for kind in WORLD_SIZE_2:
         for rank in (0, 1):
             straight = seen(tmp_path, f"{kind}-straight", rank)
             half = seen(tmp_path, f"{kind}-half", rank)
             resumed = seen(tmp_path, f"{kind}-resumed", rank)
             assert [s for s, _ in resumed] == list(range(8, 14)), f"{kind} rank {rank}"
             assert half + resumed == straight, f"{kind} rank {rank}: {resumed[:2]} instead of {straight[8:10]}"
-        assert seen(tmp_path, f"{kind}-straight", 0)[8:] != seen(tmp_path, f"{kind}-straight", 1)[8:]
+        assert seen(tmp_path, f"{kind}-straight", 0)[8:] != seen(tmp_path, f"{kind}-straight", 1)[8:], kind
 
 
 def test_a_process_killed_at_random_steps_resumes_last_at_its_batch(script: Path, straight: list[Any],
