@@ -141,7 +141,7 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
     for key, tensor in state_dict.items():
         if key.startswith(EXTRA_PREFIX):
             raise ValueError(f"state_dict key {key!r} uses the prefix {EXTRA_PREFIX!r} reserved for other tensors")
-        if key not in aliases:
+        if key not in aliases and isinstance(tensor, torch.Tensor):
             (out.trainable if key in trainable else out.frozen)[key] = store(tensor, key)
 
     def extra(path: tuple[str, ...], tensor: torch.Tensor) -> str:
@@ -158,6 +158,9 @@ def to_ort(checkpoint: dict[str, Any], info: ModuleInfo | None = None, *, ort_co
     for key, value in checkpoint.items():
         if key not in ("state_dict", "optimizer_states"):
             manifest["values"][key] = values.encode(value, extra, (key,))
+    # a module's extra state that is no tensor (get_extra_state's dict): a value, its tensors beside the others
+    manifest["state_dict_values"] = {key: values.encode(v, extra, ("state_dict", key))
+                                     for key, v in state_dict.items() if not isinstance(v, torch.Tensor)}
     manifest["cast"] = cast
     # torch keeps each module's state-dict version here; its loaders read it (BatchNorm, for one)
     manifest["state_dict_metadata"] = values.encode(state_dict_metadata(state_dict), extra)
@@ -245,13 +248,15 @@ def _from_manifest(ck: CheckpointContents, manifest: dict[str, Any], path: str, 
         return restore(t, f"{group}/{param}/{momentum}")
 
     aliases = manifest.get("aliases", {})
-    missing = [k for k in manifest["state_dict"] if aliases.get(k, k) not in params]
+    others = manifest.get("state_dict_values", {})
+    missing = [k for k in manifest["state_dict"] if k not in others and aliases.get(k, k) not in params]
     if missing:
         raise CorruptCheckpointError(f"parameter {missing[0]!r} is missing ({len(missing)} in all)", path)
     out: dict[str, Any] = {}
     for key in manifest["keys"]:
         if key == "state_dict":
-            stored = {k: restore(params[k], k) for k in manifest["state_dict"] if k not in aliases}
+            stored = {k: values.decode(others[k], source) if k in others else restore(params[k], k)
+                      for k in manifest["state_dict"] if k not in aliases}
             # an alias is the very tensor of its first name, as tied weights are in the module
             out[key] = OrderedDict((k, stored[aliases.get(k, k)]) for k in manifest["state_dict"])
             metadata = values.decode(manifest.get("state_dict_metadata"), source)
