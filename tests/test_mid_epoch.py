@@ -106,10 +106,10 @@ def make_loader(kind: str) -> Any:
         return DataLoader(Indexed(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
     if kind == "batch_sampler":
         return DataLoader(Indexed(), batch_sampler=ShuffledBatches(N, 4))
-    if kind in ("several", "min_size"):
+    if kind in ("several", "min_size", "max_size"):
         loaders = [DataLoader(Indexed(), batch_size=4, shuffle=True),
                    DataLoader(torch.utils.data.Subset(Indexed(), range(30)), batch_size=4, shuffle=True)]
-        return CombinedLoader(loaders, "max_size_cycle" if kind == "several" else "min_size")
+        return CombinedLoader(loaders, "max_size_cycle" if kind == "several" else kind)
     if kind == "iterable":
         return DataLoader(Stream(), batch_size=4)
     raise ValueError(kind)
@@ -172,7 +172,7 @@ def check_resume(tmp: Path, kind: str, how: str, crash_at: int, steps: int = 24,
 
 
 KINDS = ["sequential", "shuffle", "generator", "drop_last", "workers", "persistent", "batch_sampler", "several",
-         "min_size"]
+         "min_size", "max_size"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
