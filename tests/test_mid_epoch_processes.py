@@ -50,14 +50,16 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 class ShuffledBatches:
-    """A custom batch sampler, deterministic given Python's random state when its epoch starts."""
+    """A custom batch sampler, deterministic given Python's random state when its epoch starts, that shards by rank
+    itself (with ``use_distributed_sampler=False``)."""
 
     def __init__(self, n, size):
         self.n, self.size = n, size
 
     def __iter__(self):
-        order = list(range(self.n))
+        order = list(range(2 * self.n))
         random.shuffle(order)
+        order = order[int(os.environ.get("LOCAL_RANK", 0))::2]
         return iter([order[i:i + self.size] for i in range(0, self.n, self.size)])
 
     def __len__(self):
@@ -121,7 +123,8 @@ def fit(out, kind, name, max_steps, ckpt_path=None, every=3, kill_at=None, sig=s
                        save_on_exception=True, checkpoint_io=OrtCheckpointIO(fast_forward_iterables=True))
     trainer = pl.Trainer(max_steps=max_steps, strategy=strategy, devices=devices, accelerator="cpu", logger=False,
                          callbacks=[cb], num_sanity_val_steps=0, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0)
+                         enable_model_summary=False, limit_val_batches=0,
+                         use_distributed_sampler=data != "batch_sampler")
     loader = make_loader(data or "shuffle", 1 if kind == "single" else 0)
     trainer.fit(Net(out, f"{kind}-{name}", how == "mp", kill_at, sig), loader, ckpt_path=ckpt_path)
 
