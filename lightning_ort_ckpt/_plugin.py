@@ -42,7 +42,6 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from . import _fabric, _lightning_adapter, _rng, _sharing, _staging, _strategies, _train_start
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
-from ._data_position import DATA_KEY, TrainData
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
@@ -107,9 +106,7 @@ class OrtCheckpointIOMixin:
         self._fabric: _fabric.FabricSaves | None = None  # the saves of the Fabric strategy this plugin serves
         self._unwrap: Any = None  # puts a sharded strategy's own save and load back (``_strategies.attach``)
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
-        self._resume_rng: tuple[Any, Any, str] | None = None  # (random states, epoch, path) to restore at train start
-        self._data: TrainData | None = None  # the data positions of the bound strategy's fits
-        self._remove_restorer: Callable[[], None] = lambda: None  # takes our train-start callback out of a Trainer
+        self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
         hold_ort_loading(self)
         _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
@@ -187,23 +184,15 @@ class OrtCheckpointIOMixin:
 
     def data_position(self) -> dict[str, Any]:
         """``{DATA_KEY: where each training loader of the bound fit stands}``, or ``{}`` outside a fit."""
-        position = self._data.position() if self._data is not None else None
-        return {DATA_KEY: position} if position is not None else {}
+        return self._train_start.position()
 
     def loaded(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
-        """``checkpoint`` (read from ``path``) is what the bound fit resumes from: its random states are restored
-        when training starts (:meth:`restore_random_states`), and its training loaders start where they stood
-        (``_data_position``). Returns it."""
+        """``checkpoint`` (read from ``path``) is what the bound fit resumes from: its random states and data
+        position are restored when training starts (:meth:`restore_random_states`). Returns it."""
         strategy = self._owner_strategy()
-        states = checkpoint.get(RNG_KEY)  # left in the dict: a caller may read them
         fitting = strategy is not None and _lightning_adapter.fitting(strategy)
-        self._resume_rng = (states, checkpoint.get("epoch"), path) if fitting else None
-        if fitting and self._data is not None:
-            self._data.resume_at(checkpoint.get(DATA_KEY), path)
-        if self._resume_rng is not None:
-            self._remove_restorer()
-            self._remove_restorer = _train_start.restore_at_train_start(
-                _lightning_adapter.trainer_of(strategy.lightning_module), self)
+        trainer = _lightning_adapter.trainer_of(strategy.lightning_module) if fitting else None
+        self._train_start.resume_from(checkpoint, path, trainer, self)
         return checkpoint
 
     def hold(self, path: str, found: Any) -> None:
@@ -215,9 +204,7 @@ class OrtCheckpointIOMixin:
         """Restore the random states of the checkpoint this fit resumed from, where the uninterrupted run had them:
         called when training starts (``on_train_start``, by ``OrtCheckpoint``, ``BindCheckpointIO`` or
         ``_train_start.RestoreRandomStates``; see :func:`_train_start.restore`)."""
-        pending, self._resume_rng = self._resume_rng, None
-        if pending is not None:
-            _train_start.restore(*pending, trainer, self._data)
+        self._train_start.at_train_start(trainer)
 
     # -- the directory ------------------------------------------------------------------------------------------
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -260,10 +247,7 @@ class OrtCheckpointIOMixin:
         errors = [executor.close() for executor in self._executors.values()]
         self._sharing.close()
         self._held = None
-        if self._data is not None:
-            self._data.end_fit()
-        self._remove_restorer()
-        self._remove_restorer = lambda: None
+        self._train_start.end_fit()
         unwrap, self._unwrap = self._unwrap, None
         if unwrap is not None:
             unwrap()
@@ -296,9 +280,7 @@ class OrtCheckpointIOMixin:
         if self._unwrap is not None:
             self._unwrap()
         self._unwrap = _strategies.attach(strategy, self)
-        if self._data is not None:
-            self._data.close()
-        self._data = TrainData(strategy, self.fast_forward_iterables)
+        self._train_start.bind(strategy, self.fast_forward_iterables)
         self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:

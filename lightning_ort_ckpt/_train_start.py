@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import _lightning_adapter, _rng
+from ._data_position import DATA_KEY, TrainData
 from ._namespaces import namespace_of
+from ._rng import RNG_KEY
 from .errors import CorruptCheckpointError
 
 
@@ -51,11 +53,51 @@ def restore_at_train_start(trainer: Any, plugin: Restorer) -> Callable[[], None]
     return lambda: trainer.callbacks.remove(callback) if callback in trainer.callbacks else None
 
 
-class DataPositions(Protocol):
-    def check_resumed(self, trainer: Any, inside_epoch: bool) -> None: ...
+class TrainStart:
+    """What a fit resumed from one of our files restores when training starts, for one plugin: the random states,
+    the data position of the bound strategy's training loaders (``_data_position``), and the callback that asks for
+    it where no callback of ours does (taken out at :meth:`end_fit`)."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[Any, Any, str] | None = None  # (random states, epoch, path) of the checkpoint
+        self._data: TrainData | None = None
+        self._remove: Callable[[], None] = lambda: None
+
+    def bind(self, strategy: Any, fast_forward_iterables: bool) -> None:
+        """Watch ``strategy``'s training loaders from now on (no longer those of a strategy bound before)."""
+        if self._data is not None:
+            self._data.close()
+        self._data = TrainData(strategy, fast_forward_iterables)
+
+    def position(self) -> dict[str, Any]:
+        """``{DATA_KEY: position}`` of the fit in progress, or ``{}``."""
+        position = self._data.position() if self._data is not None else None
+        return {DATA_KEY: position} if position is not None else {}
+
+    def resume_from(self, checkpoint: dict[str, Any], path: str, trainer: Any, plugin: Restorer) -> None:
+        """``trainer`` fits from ``checkpoint`` (read from ``path``); None: the load is not a fit's."""
+        if trainer is None:
+            self._pending = None
+            return
+        self._pending = (checkpoint.get(RNG_KEY), checkpoint.get("epoch"), path)
+        if self._data is not None:
+            self._data.resume_at(checkpoint.get(DATA_KEY), path)
+        self._remove()
+        self._remove = restore_at_train_start(trainer, plugin)
+
+    def at_train_start(self, trainer: Any) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            restore(*pending, trainer, self._data)
+
+    def end_fit(self) -> None:
+        if self._data is not None:
+            self._data.end_fit()
+        self._remove()
+        self._remove = lambda: None
 
 
-def restore(states: Any, epoch: Any, path: str, trainer: Any, data: DataPositions | None = None) -> None:
+def restore(states: Any, epoch: Any, path: str, trainer: Any, data: TrainData | None = None) -> None:
     """Restore the random ``states`` a fit resumed from (the file ``path``, saved in ``epoch``) as training starts.
 
     Lightning has built the data loaders by then, from the same random states as the uninterrupted run (a dataset
