@@ -38,7 +38,7 @@ from ._translation import MANIFEST
 from ._translation.lightning_dict import EXTRA_PREFIX, aliases_of, with_aliases
 
 __all__ = ["ExportError", "ExportReport", "SafetensorsReport", "check_export_config", "export_onnx",
-           "export_safetensors", "load_module_class"]
+           "export_safetensors", "load_module_class", "runtime"]
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
 
@@ -59,11 +59,14 @@ class ExportReport:
     max_abs_diff: float
     tolerance: float
     external_data: bool
+    onnxruntime: str = ""
+    """The ONNX Runtime that ran the check: its version and package, e.g. ``1.32.0 (onnxruntime)``."""
 
     def __str__(self) -> str:
         source = f"{self.checkpoint} (step {self.global_step}"
         source += f", {self.monitor}={self.score:.6g})" if self.monitor and self.score is not None else ")"
-        return (f"exported {self.path} from {source}; ONNX Runtime vs torch on the example input: max abs "
+        runtime = f"ONNX Runtime {self.onnxruntime}" if self.onnxruntime else "ONNX Runtime"
+        return (f"exported {self.path} from {source}; {runtime} vs torch on the example input: max abs "
                 f"difference {self.max_abs_diff:.3g} (tolerance {self.tolerance:g})")
 
 
@@ -133,7 +136,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
         if external:
             os.replace(_atomic.data_path(staged), _atomic.data_path(output))
         os.replace(staged, output)
-    return ExportReport(output, checkpoint, global_step, monitor, score, diff, tolerance, external)
+    return ExportReport(output, checkpoint, global_step, monitor, score, diff, tolerance, external, runtime())
 
 
 @dataclass(frozen=True)
@@ -536,6 +539,15 @@ def _finish_model(path: str, metadata: dict[str, str], external: bool) -> None:
             os.unlink(os.path.join(os.path.dirname(path), leftover))
     onnx.save_model(model, path, save_as_external_data=external, all_tensors_to_one_file=True,
                     location=os.path.basename(_atomic.data_path(path)), size_threshold=0)
+
+
+def runtime() -> str:
+    """The ONNX Runtime installed, which the export check runs on: the maintained ``onnxruntime`` (the ``deploy``
+    extra) or ``onnxruntime-training`` 1.19.2 (the ``ort`` extra); both are the module ``onnxruntime``."""
+    import onnxruntime
+
+    package = "onnxruntime-training" if importlib.util.find_spec("onnxruntime.training") else "onnxruntime"
+    return f"{onnxruntime.__version__} ({package})"
 
 
 def _max_abs_diff(path: str, args: tuple[Any, ...], expected: tuple[Any, ...], input_names: list[str],
