@@ -230,6 +230,8 @@ def _weight_entries(reader: CheckpointReader, prefix: str, checkpoint: str) -> l
         tops = sorted({k.split(".")[0] for k in keys})
         raise ExportError(f"no parameter or buffer under prefix {prefix.rstrip('.')!r}; the module's submodules "
                           f"are {', '.join(tops) or 'none'}", checkpoint)
+    if not entries:  # a DCP folder of another tree than Lightning's, say: an empty file would load as nothing
+        raise ExportError("it holds no module weights (no state_dict): nothing to export", checkpoint)
     return entries
 
 

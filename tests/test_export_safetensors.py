@@ -174,10 +174,14 @@ def test_a_damaged_tensor_is_caught_and_nothing_is_written(finetuned: tuple[Fine
     assert not [f for f in os.listdir(tmp_path / "out") if "safetensors" in f]
 
 
-def test_a_torch_file_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_torch_file_or_a_tree_without_weights_is_refused_by_name(tmp_path: Path) -> None:
     torch.save({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "plain.ckpt")
     with pytest.raises(ExportError, match="not an ORT checkpoint"):
         export_safetensors(tmp_path / "plain.ckpt", tmp_path / "out")
+    save_sharded({"model": {"w": torch.zeros(2)}, "step": 3}, str(tmp_path / "other.ckpt"))  # no state_dict
+    with pytest.raises(ExportError, match="other.ckpt: it holds no module weights"):
+        export_safetensors(tmp_path / "other.ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 _MEMORY = textwrap.dedent("""
