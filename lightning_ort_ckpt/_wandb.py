@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_only
 from pytorch_lightning.loggers import WandbLogger
 
 from ._loggers import logged_checkpoints, unit_files, unit_time
@@ -60,9 +61,12 @@ class WholeCheckpointsMixin:
 
     def _log(self, callback: Any, paths: list[str], best: str) -> None:
         """One artifact per checkpoint of ``paths`` not logged yet as it is now: the file with its ``.data``, or
-        the folder's files, under the names they have in the checkpoint directory."""
+        the folder's files, under the names they have in the checkpoint directory. Rank 0 only, as ``WandbLogger``
+        (Lightning calls ``finalize`` on every rank)."""
         import wandb
 
+        if getattr(rank_zero_only, "rank", 0) != 0:
+            return
         for path in paths:
             when = unit_time(path)
             if when is None or self._logged_time.get(path, -1.0) >= when:
