@@ -20,12 +20,14 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; at run time th
     from ._loading import load, load_from_checkpoint
     from ._plugin import OrtCheckpointIO
     from ._reading import disable_ort_loading, enable_ort_loading
+    from ._wandb import OrtWandbLogger
 
 __version__ = "0.3.0"
 
 _LAZY = {"OrtCheckpoint": "._callback", "OrtCheckpointIO": "._plugin", "BindCheckpointIO": "._binding",
          "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate",
-         "ExportBest": "._export_callback", "load": "._loading", "load_from_checkpoint": "._loading"}
+         "ExportBest": "._export_callback", "load": "._loading", "load_from_checkpoint": "._loading",
+         "OrtWandbLogger": "._wandb"}
 _DEPRECATED = {"Checkpoint": "CheckpointContents"}  # 0.2's names (format/_deprecated.py: the rule)
 
 
@@ -48,6 +50,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BindCheckpointIO", "CheckpointConfigError", "CheckpointContents", "CheckpointError", "CheckpointReader",
     "CheckpointSaveError", "CorruptCheckpointError", "DataType", "ExportBest", "OptimizerGroup", "OrtCheckpoint",
-    "OrtCheckpointIO", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load",
+    "OrtCheckpointIO", "OrtWandbLogger", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load",
     "load_checkpoint", "load_from_checkpoint", "open_checkpoint", "save_checkpoint",
 ]

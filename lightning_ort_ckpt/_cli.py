@@ -12,7 +12,8 @@ A ``PATH`` is a file, an fsspec URL (``s3://...``, read with the store's default
 (consolidated into a temporary file first, which needs torch), a run directory (its checkpoints) or a glob; several
 end with one summary line (``_cli_runs``). ``ort-ckpt ls DIR`` shows a run as a table; ``ort-ckpt consolidate DIR
 OUT.ckpt`` writes a sharded directory as one ORT file; ``ort-ckpt export FILE --module pkg.mod:Class --output
-model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra).
+model.onnx`` writes a deployable ONNX model checked against ONNX Runtime (needs torch and the ``ort`` extra),
+``--format safetensors`` the weights for Hugging Face's ``from_pretrained``.
 Failures print one ``error: ...`` (or ``INVALID ...``) line per checkpoint, never a traceback, and exit 1; a warning
 prints as one ``warning: ...`` line; every command takes ``--json``.
 """
@@ -74,11 +75,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_consolidate.add_argument("output", help="the ORT checkpoint file to write (and <output>.data past 2 GiB)")
     p_consolidate.add_argument("--json", action="store_true", help=json_help)
     p_export = sub.add_parser("export", help="export a checkpoint to an ONNX inference model, checked against "
-                              "ONNX Runtime")
-    p_export.add_argument("file", help="an ORT or torch checkpoint")
-    p_export.add_argument("--module", required=True,
-                          help="your LightningModule class: 'package.module:ClassName' or 'file.py:ClassName'")
-    p_export.add_argument("--output", "-o", required=True, help="the .onnx file to write")
+                              "ONNX Runtime, or its weights as Hugging Face safetensors")
+    p_export.add_argument("file", help="an ORT or torch checkpoint (safetensors: an ORT file or a sharded folder)")
+    p_export.add_argument("--format", choices=["onnx", "safetensors"], default="onnx",
+                          help="onnx (default): an inference model; safetensors: model.safetensors (or shards and "
+                          "their index) in the --output folder, for from_pretrained")
+    p_export.add_argument("--module",
+                          help="your LightningModule class: 'package.module:ClassName' or 'file.py:ClassName' "
+                          "(onnx: required)")
+    p_export.add_argument("--prefix", default="",
+                          help="safetensors: the submodule to write, named as inside it ('model' for "
+                          "self.model = AutoModelFor...)")
+    p_export.add_argument("--output", "-o", required=True,
+                          help="the .onnx file to write (safetensors: the folder)")
     p_export.add_argument("--tolerance", type=_tolerance, default=1e-5,
                           help="largest accepted |ONNX Runtime - torch| on the example input (default 1e-5)")
     p_export.add_argument("--external-data", action="store_true", help="keep the weights in <output>.data")
@@ -333,9 +342,21 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     try:
-        from .export import export_onnx, load_module_class  # torch and onnxruntime: only for this command
+        from .export import export_onnx, export_safetensors, load_module_class  # torch: only for this command
     except ModuleNotFoundError as e:
         return _missing(e, args)
+    if args.format == "safetensors":
+        try:
+            st_report = export_safetensors(args.file, args.output, prefix=args.prefix)
+        except CheckpointError as e:
+            return _failed(_first_line(e), args)
+        except OSError as e:
+            return _failed(f"cannot export {_shown(args.file)} to {_shown(args.output)}: {e.strerror or e}", args)
+        _done(str(st_report), args, dataclasses.asdict(st_report))
+        return 0
+    if args.module is None:
+        return _failed("--format onnx needs --module, your LightningModule class ('package.module:ClassName' or "
+                       "'file.py:ClassName')", args)
     try:
         module_class = load_module_class(args.module)
     except CheckpointError as e:

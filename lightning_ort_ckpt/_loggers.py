@@ -10,8 +10,10 @@ a checkpoint, this module logs the rest of it beside it, in the same artifact pa
   artifact path the logger uses (the file's stem). With ``log_model="all"`` (or ``True`` and ``save_top_k=-1``) the
   logger logs after each save, and so do we; with ``True`` it logs at ``finalize``, after every callback's
   ``teardown``, and we log the same checkpoints in ours, just before.
-- Every other logger that logs checkpoints (``WandbLogger``: an artifact version cannot take a file once logged;
-  ``LitLogger``; a logger of your own) gets one warning at setup (:func:`check_loggers`) naming what it will miss.
+- ``WandbLogger``: an artifact version cannot take a file once logged, so nothing is added beside it; users pass
+  ``OrtWandbLogger`` (``_wandb``) instead, which logs each checkpoint whole itself.
+- Every other logger that logs checkpoints (``WandbLogger``, ``LitLogger``, a logger of your own) gets one warning
+  at setup (:func:`check_loggers`) naming what it will miss.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,9 @@ def check_loggers(trainer: Any) -> None:
                 f"{type(logger).__name__}(log_model={mode!r}) uploads one file per checkpoint: a checkpoint with a "
                 "<file>.data (external_data, frozen sharing, past 2 GiB) reaches its store without it, and a "
                 "sharded checkpoint (a folder) not at all. Upload the checkpoint files (or folders) yourself, or "
-                "use MLFlowLogger, which lightning_ort_ckpt teaches to log them whole", CheckpointWarning,
-                stacklevel=2)
+                "use MLFlowLogger, which lightning_ort_ckpt teaches to log them whole"
+                + (", or lightning_ort_ckpt's OrtWandbLogger in place of WandbLogger" if _is_wandb(logger) else ""),
+                CheckpointWarning, stacklevel=2)
 
 
 def log_whole_units(trainer: Any, callback: Any, finishing: bool = False) -> None:
@@ -65,20 +67,45 @@ def _is_mlflow(logger: Any) -> bool:
     return isinstance(logger, namespace_of(logger).attr("loggers.mlflow.MLFlowLogger"))
 
 
-def _logged(callback: Any) -> Iterator[str]:
+def _is_wandb(logger: Any) -> bool:
+    return isinstance(logger, namespace_of(logger).attr("loggers.wandb.WandbLogger"))
+
+
+def logged_checkpoints(callback: Any) -> list[str]:
     """The checkpoints a logger logs for ``callback``: its last, its best and its top k (local ones only)."""
     paths = {callback.last_model_path, callback.best_model_path, *callback.best_k_models}
-    yield from sorted(p for p in paths if p and store_for(p).local)
+    return sorted(p for p in paths if p and store_for(p).local)
+
+
+def unit_time(path: str) -> float | None:
+    """When the checkpoint at ``path`` (a file, committed after its ``.data``, or a folder, committed by its commit
+    file) was committed; None where there is no complete checkpoint."""
+    folder = os.path.join(path, FOLDER_COMMIT_NAME)
+    for committed in (folder, path):
+        if os.path.isfile(committed):
+            return os.stat(committed).st_mtime
+    return None
+
+
+def unit_files(path: str) -> list[tuple[str, str]]:
+    """Every file of the checkpoint at ``path``, each with its name relative to the checkpoint directory: the file
+    and its ``.data``, or every file of the folder."""
+    name = os.path.basename(path.rstrip(os.sep))
+    if os.path.isdir(path):
+        return sorted((os.path.join(root, f), os.path.join(name, os.path.relpath(os.path.join(root, f), path)))
+                      for root, _, files in os.walk(path) for f in files)
+    rest = [(data_path(path), name + ".data")] if os.path.isfile(data_path(path)) else []
+    return [(path, name), *rest]
 
 
 def _log_rest(logger: Any, callback: Any) -> None:
     sent = _SENT.setdefault(logger, {})
-    for path in _logged(callback):
+    for path in logged_checkpoints(callback):
         folder = os.path.isfile(os.path.join(path, FOLDER_COMMIT_NAME))
         if not (folder or os.path.isfile(data_path(path))):
             continue  # one file: the logger's upload is complete
-        mtime = os.stat(os.path.join(path, FOLDER_COMMIT_NAME) if folder else path).st_mtime
-        if sent.get(path, -1.0) >= mtime:
+        mtime = unit_time(path)
+        if mtime is None or sent.get(path, -1.0) >= mtime:
             continue
         artifact_path = Path(path).stem  # where MLFlowLogger logs the file
         if folder:

@@ -1,10 +1,15 @@
-"""Deployment export: an ONNX inference model from a checkpoint, checked against ONNX Runtime before it is kept.
+"""Deployment export: an ONNX inference model from a checkpoint, checked against ONNX Runtime before it is kept, or
+the module's weights as Hugging Face safetensors.
 
 :func:`export_onnx` reads a checkpoint's weights (ORT or torch) once, lazily and without the optimizer state, into
 your LightningModule, exports it with ``torch.onnx.export``, runs the result in ``onnxruntime.InferenceSession`` on
 the example input next to the torch module, and keeps the file only when the largest absolute difference is within
 the tolerance. The model's ``metadata_props`` record where it came from: the checkpoint, its global step and its
 monitored score.
+
+:func:`export_safetensors` writes the weights (the ``state_dict``, or one submodule's part of it) as the
+``model.safetensors`` (or shards and their index) that ``from_pretrained`` reads, a tensor at a time, each checked
+against its recorded checksum as it is read.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
 import tempfile
@@ -23,12 +29,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _lightning_adapter, _rng
-from .errors import CheckpointError
-from ._reading import read_weights, serving
-from .format import _atomic
-from .format._store import store_for
-from ._translation.lightning_dict import aliases_of, with_aliases
+from . import _lightning_adapter, _rng, _safetensors
+from .errors import CheckpointError, CorruptCheckpointError
+from ._reading import is_ort_checkpoint, read_weights, serving
+from .format import CheckpointReader, TensorInfo, _atomic, open_checkpoint
+from .format._store import StorageOptions, store_for
+from ._translation import MANIFEST
+from ._translation.lightning_dict import EXTRA_PREFIX, aliases_of, with_aliases
+
+__all__ = ["ExportError", "ExportReport", "SafetensorsReport", "check_export_config", "export_onnx",
+           "export_safetensors", "load_module_class", "runtime"]
 
 _EXTERNAL_DATA_THRESHOLD = 1 << 30  # above 1 GiB of parameters, keep tensors beside the model (protobuf stops at 2)
 
@@ -49,11 +59,14 @@ class ExportReport:
     max_abs_diff: float
     tolerance: float
     external_data: bool
+    onnxruntime: str = ""
+    """The ONNX Runtime that ran the check: its version and package, e.g. ``1.32.0 (onnxruntime)``."""
 
     def __str__(self) -> str:
         source = f"{self.checkpoint} (step {self.global_step}"
         source += f", {self.monitor}={self.score:.6g})" if self.monitor and self.score is not None else ")"
-        return (f"exported {self.path} from {source}; ONNX Runtime vs torch on the example input: max abs "
+        runtime = f"ONNX Runtime {self.onnxruntime}" if self.onnxruntime else "ONNX Runtime"
+        return (f"exported {self.path} from {source}; {runtime} vs torch on the example input: max abs "
                 f"difference {self.max_abs_diff:.3g} (tolerance {self.tolerance:g})")
 
 
@@ -123,7 +136,114 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
         if external:
             os.replace(_atomic.data_path(staged), _atomic.data_path(output))
         os.replace(staged, output)
-    return ExportReport(output, checkpoint, global_step, monitor, score, diff, tolerance, external)
+    return ExportReport(output, checkpoint, global_step, monitor, score, diff, tolerance, external, runtime())
+
+
+@dataclass(frozen=True)
+class SafetensorsReport:
+    """What :func:`export_safetensors` wrote: the files (``model.safetensors``, or shards and their index), how
+    many tensors and bytes, and the prefix that was taken off their names."""
+
+    folder: str
+    files: list[str]
+    checkpoint: str
+    tensors: int
+    nbytes: int
+    prefix: str
+
+    def __str__(self) -> str:
+        which = f"the parameters and buffers under {self.prefix!r}" if self.prefix else "the parameters and buffers"
+        return (f"exported {which} of {self.checkpoint} to {self.folder}: {self.tensors} tensors, "
+                f"{self.nbytes:,} bytes in {len(self.files)} file(s) ({', '.join(map(os.path.basename, self.files))})")
+
+
+def export_safetensors(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *, prefix: str = "",
+                       max_shard_size: int = 5 * 10**9,
+                       storage_options: StorageOptions | None = None) -> SafetensorsReport:
+    """Write the module weights of ``checkpoint`` into the folder ``output`` as Hugging Face reads them:
+    ``model.safetensors``, or past ``max_shard_size`` bytes ``model-0000i-of-0000n.safetensors`` and
+    ``model.safetensors.index.json``. Add the model's ``config.json`` (``config.save_pretrained(output)``) and
+    ``AutoModel...from_pretrained(output)`` loads them.
+
+    Args:
+        checkpoint: an ORT checkpoint file written by this library or by ORT, or a sharded checkpoint folder; a
+            local path or an fsspec URL (``storage_options`` for its store).
+        prefix: the submodule whose weights to write, named as they are inside it: ``"model"`` for a
+            LightningModule holding ``self.model = AutoModelFor...`` writes ``model.*`` as ``*`` and leaves the rest
+            (a loss's buffers, another head) out. ``""``: every key as the LightningModule names it.
+        max_shard_size: the most bytes of tensors in one file.
+
+    Every dtype is written as saved (integers and bool included; float16 and bfloat16 that ``ort_compatible``
+    stored as float32 get their own dtype back). A tensor tied to another (stored once) is written once, under its
+    first name, as ``save_pretrained`` does; ``from_pretrained`` ties it again. Memory: one tensor at a time (a
+    sharded folder is first consolidated into a temporary file, a tensor at a time too).
+
+    Raises:
+        CorruptCheckpointError: a tensor does not match its recorded checksum, or the file is damaged.
+        ExportError: a torch checkpoint (not an ORT one), no weight under ``prefix``, or a dtype safetensors has not.
+    """
+    from ._consolidate import single_file
+
+    checkpoint, output = os.fspath(checkpoint), os.fspath(output)
+    if max_shard_size < 1:
+        raise ExportError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
+    prefix = prefix + "." if prefix and not prefix.endswith(".") else prefix
+    with single_file(checkpoint, storage_options) as source:
+        if not is_ort_checkpoint(source, storage_options):
+            raise ExportError("not an ORT checkpoint: the safetensors export reads ORT files and sharded "
+                              "folders (a torch .ckpt holds its state_dict for torch.load)", checkpoint)
+        with store_for(source, storage_options).fetched(source) as local, \
+                open_checkpoint(local, verify=True) as reader:
+            entries = _weight_entries(reader, prefix, checkpoint)
+            files = _safetensors.write(entries, output, max_shard_size=max_shard_size, metadata={
+                "format": "pt", "lightning_ort_ckpt.source_checkpoint": store_for(checkpoint, storage_options).absolute(checkpoint)})
+    return SafetensorsReport(output, files, checkpoint, len(entries), sum(e.nbytes for e in entries), prefix)
+
+
+def _weight_entries(reader: CheckpointReader, prefix: str, checkpoint: str) -> list[_safetensors.Entry]:
+    """The ``state_dict`` entries under ``prefix`` (named without it), each read when it is written: its bytes
+    read into memory of its own (never mapped) and checked against the checksum recorded for it."""
+    stored = {**reader.trainable, **reader.frozen}
+    if MANIFEST in reader.properties:  # ours: the manifest's state_dict keys, tied keys, narrow floats
+        try:
+            manifest = json.loads(str(reader.properties[MANIFEST]))
+            keys, aliases, cast = manifest["state_dict"], manifest.get("aliases", {}), manifest.get("cast", {})
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"its Lightning metadata ({MANIFEST}) is damaged: {e}", checkpoint) from None
+    else:  # written by ORT alone: its parameters are the state_dict
+        keys, aliases, cast = [n for n in stored if not n.startswith(EXTRA_PREFIX)], {}, {}
+    entries = []
+    for key in keys:
+        if key in aliases or not key.startswith(prefix):
+            continue
+        info = stored.get(key)
+        if info is None:
+            raise CorruptCheckpointError(f"parameter {key!r} named in its Lightning metadata is missing", checkpoint)
+        if info.storage not in ("inline", "external"):
+            raise ExportError(f"parameter {key!r} has no data (a nominal checkpoint: names and types only)",
+                              checkpoint)
+        dtype = getattr(torch, cast[key]) if key in cast else info.dtype.to_torch()
+        if dtype not in _safetensors.DTYPES:
+            raise ExportError(f"parameter {key!r} is {dtype}, which safetensors has no type for", checkpoint)
+        entries.append(_safetensors.Entry(key[len(prefix):], dtype, info.shape, _reading_of(reader, info, dtype)))
+    if not entries and prefix:
+        tops = sorted({k.split(".")[0] for k in keys})
+        raise ExportError(f"no parameter or buffer under prefix {prefix.rstrip('.')!r}; the module's submodules "
+                          f"are {', '.join(tops) or 'none'}", checkpoint)
+    if not entries:  # a DCP folder of another tree than Lightning's, say: an empty file would load as nothing
+        raise ExportError("it holds no module weights (no state_dict): nothing to export", checkpoint)
+    return entries
+
+
+def _reading_of(reader: CheckpointReader, info: TensorInfo, dtype: torch.dtype) -> Any:
+    """The function that reads ``info``'s bytes (verified) as ``dtype``'s: converted back for a tensor
+    ``ort_compatible`` stored as float32."""
+    def read() -> Any:
+        raw = reader.read_bytes(info)
+        if info.dtype.to_torch() == dtype:
+            return raw
+        return torch.from_numpy(raw).view(info.dtype.to_torch()).to(dtype).view(torch.uint8).numpy()
+    return read
 
 
 def check_export_config(module: Any, tolerance: Any, *, trial_export: bool = True) -> None:
@@ -421,6 +541,15 @@ def _finish_model(path: str, metadata: dict[str, str], external: bool) -> None:
             os.unlink(os.path.join(os.path.dirname(path), leftover))
     onnx.save_model(model, path, save_as_external_data=external, all_tensors_to_one_file=True,
                     location=os.path.basename(_atomic.data_path(path)), size_threshold=0)
+
+
+def runtime() -> str:
+    """The ONNX Runtime installed, which the export check runs on: the maintained ``onnxruntime`` (the ``deploy``
+    extra) or ``onnxruntime-training`` 1.19.2 (the ``ort`` extra); both are the module ``onnxruntime``."""
+    import onnxruntime
+
+    package = "onnxruntime-training" if importlib.util.find_spec("onnxruntime.training") else "onnxruntime"
+    return f"{onnxruntime.__version__} ({package})"
 
 
 def _max_abs_diff(path: str, args: tuple[Any, ...], expected: tuple[Any, ...], input_names: list[str],

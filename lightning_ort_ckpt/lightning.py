@@ -1,17 +1,19 @@
 """The classes for ``lightning.pytorch`` Trainers (the ``lightning`` package).
 
-``from lightning_ort_ckpt.lightning import OrtCheckpoint, OrtCheckpointIO, BindCheckpointIO``; the top-level names
+``from lightning_ort_ckpt.lightning import OrtCheckpoint, OrtCheckpointIO, BindCheckpointIO, OrtWandbLogger``; the top-level names
 are for ``pytorch_lightning``. Importing this module imports ``lightning.pytorch``. A Trainer accepts callbacks and
 plugins of its own copy of Lightning only; ``OrtCheckpoint`` of the other copy raises in ``setup``.
 """
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import WandbLogger
 
 from . import _export_callback  # noqa: F401 - hands export_best_to its factory (layer 4: see the module)
 from ._binding import BindCheckpointIOMixin
 from ._callback import OrtCheckpointMixin
 from ._plugin import OrtCheckpointIOMixin
+from ._wandb import WholeCheckpointsMixin
 
 
 class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):
@@ -29,4 +31,8 @@ class BindCheckpointIO(BindCheckpointIOMixin, Callback):
     """Binds an ``OrtCheckpointIO`` to its ``lightning.pytorch`` Trainer (see ``lightning_ort_ckpt._binding``)."""
 
 
-__all__ = ["BindCheckpointIO", "OrtCheckpoint", "OrtCheckpointIO"]
+class OrtWandbLogger(WholeCheckpointsMixin, WandbLogger):
+    """``WandbLogger`` logging each checkpoint whole, for ``lightning.pytorch`` Trainers (see ``_wandb``)."""
+
+
+__all__ = ["BindCheckpointIO", "OrtCheckpoint", "OrtCheckpointIO", "OrtWandbLogger"]

@@ -1,0 +1,83 @@
+"""W&B gets whole checkpoints (issue 42, point 3): ``OrtWandbLogger``, passed instead of ``WandbLogger``, logs each
+checkpoint as one artifact holding the file and its ``.data``; a checkpoint rebuilt from the files W&B staged
+verifies and resumes. A real W&B run in offline mode, every file in ``tmp_path``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+
+from lightning_ort_ckpt import OrtCheckpoint, OrtWandbLogger
+from lightning_ort_ckpt._cli import main as ort_ckpt
+from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
+from test_loggers import Net
+
+pytest.importorskip("wandb")  # the dev extra installs it
+
+
+@pytest.fixture(autouse=True)
+def _offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "data"))  # where artifacts' files are staged
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def _fit(logger: Any, dirpath: Path, max_epochs: int, ckpt_path: str | None = None,
+         **settings: Any) -> OrtCheckpoint:
+    callback = OrtCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, save_last=True, external_data="all",
+                             **settings)
+    pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=logger, callbacks=[callback],
+               enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1).fit(Net(),
+                                                                                            ckpt_path=ckpt_path)
+    return callback
+
+
+@pytest.mark.parametrize(("log_model", "async_save"), [("all", False), ("all", True), (True, False)])
+def test_every_checkpoint_is_logged_whole_and_resumes(tmp_path: Path, log_model: Any, async_save: bool) -> None:
+    logger = OrtWandbLogger(project="whole", save_dir=str(tmp_path), log_model=log_model)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            callback = _fit(logger, tmp_path / "ckpts", max_epochs=3, async_save=async_save)
+        assert not [w for w in caught if issubclass(w.category, CheckpointWarning)]  # nothing will be missed
+        kept = {*callback.best_k_models, callback.last_model_path}
+        assert kept <= set(logger.checkpoint_artifacts)
+        for path, artifact in logger.checkpoint_artifacts.items():
+            name = os.path.basename(path)
+            assert sorted(artifact.manifest.entries) == [name, name + ".data"], path  # the manifest: every file
+            assert artifact.type == "model" and artifact.metadata["original_filename"] == name
+        # the checkpoint as W&B holds it: its staged files, under their names, in a fresh folder
+        best = callback.best_model_path
+        fresh = tmp_path / "from-wandb"
+        fresh.mkdir()
+        for name, entry in logger.checkpoint_artifacts[best].manifest.entries.items():
+            shutil.copyfile(entry.local_path, fresh / name)
+        rebuilt = fresh / os.path.basename(best)
+        assert Path(f"{rebuilt}.data").read_bytes() == Path(f"{best}.data").read_bytes()
+        assert ort_ckpt(["verify", str(rebuilt)]) == 0
+    finally:
+        logger.experiment.finish()
+    resumed = _fit(False, tmp_path / "resumed", max_epochs=4, ckpt_path=str(rebuilt))
+    assert Path(resumed.last_model_path).exists()
+
+
+def test_without_log_model_nothing_is_logged(tmp_path: Path) -> None:
+    logger = OrtWandbLogger(project="none", save_dir=str(tmp_path))
+    try:
+        _fit(logger, tmp_path / "ckpts", max_epochs=1)
+        assert logger.checkpoint_artifacts == {}
+    finally:
+        logger.experiment.finish()
+
+
+def test_a_wrong_log_model_is_refused() -> None:
+    with pytest.raises(CheckpointConfigError, match="log_model must be False, True or 'all'"):
+        OrtWandbLogger(project="x", log_model="best")
