@@ -58,12 +58,12 @@ def _unseed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
 
 
-@pytest.mark.parametrize("save_at, shuffle", [(BATCHES, True), (BATCHES + 2, False)], ids=["epoch-end", "mid-epoch"])
+@pytest.mark.parametrize("save_at, shuffle", [(BATCHES, True), (BATCHES + 2, False), (BATCHES + 2, True)],
+                         ids=["epoch-end", "mid-epoch", "mid-epoch-shuffled"])
 @pytest.mark.parametrize("how", ["callback", "plugin"])
 def test_resume_draws_the_same_data_and_shuffles(tmp_path: Path, save_at: int, shuffle: bool, how: str) -> None:
-    """Mid-epoch, Lightning restarts the cut epoch's iterator from its start (its sampler keeps no state: the
-    batches differ from the uninterrupted run's, with ``ModelCheckpoint`` too), so there only the data drawn in
-    ``train_dataloader()`` is compared; at an epoch's end, everything, bit for bit."""
+    """The data drawn in ``train_dataloader()``, and everything else, bit for bit: at an epoch's end, and inside an
+    epoch (the data position), shuffled or not."""
     total = 3 * BATCHES
     reference = _fit(tmp_path / "straight", total, [], shuffle=shuffle)
 
@@ -79,6 +79,5 @@ def test_resume_draws_the_same_data_and_shuffles(tmp_path: Path, save_at: int, s
     callbacks, plugins = tools(tmp_path / "ckpts2")
     resumed = _fit(tmp_path / "second", total, callbacks, plugins, ckpt_path=str(saved), shuffle=shuffle)
     assert torch.equal(resumed.data, reference.data), "train_dataloader() drew other data than the uninterrupted run"
-    if save_at % BATCHES == 0:
-        for name, value in reference.state_dict().items():
-            assert torch.equal(resumed.state_dict()[name], value), f"{name} differs from the uninterrupted run"
+    for name, value in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), f"{name} differs from the uninterrupted run"
