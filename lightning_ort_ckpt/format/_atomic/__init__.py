@@ -21,9 +21,9 @@ when it is older than ``_sweep.STALE_AGE_S``.
 
 from ._journal import repair
 from ._lock import LOCK_NAME
-from ._names import (BOOT as _BOOT, DATA_SUFFIX, FOLDER_COMMIT_NAME, HOST as _HOST, JOURNAL_SUFFIX,
-                     LEFTOVER as _LEFTOVER, OLD_LEFTOVER as _OLD_LEFTOVER, data_path, hidden_name as _hidden_name,
-                     temp_name)
+from .._naming import DATA_SUFFIX, FOLDER_COMMIT_NAME, data_path  # the rule every store follows, defined there
+from ._names import (BOOT as _BOOT, HOST as _HOST, JOURNAL_SUFFIX, LEFTOVER as _LEFTOVER,
+                     OLD_LEFTOVER as _OLD_LEFTOVER, hidden_name as _hidden_name, temp_name)
 from ._pairs import open_pair
 from ._removal import link, remove
 from ._saving import SaveFiles, atomic_save

@@ -16,7 +16,8 @@ import stat
 from ...errors import CheckpointError, CorruptCheckpointError
 from ._durable import discard
 from ._lock import WriterLock
-from ._names import DATA_SUFFIX, data_path, journal_path, token_of, trash_name
+from .._naming import DATA_SUFFIX, data_path
+from ._names import journal_path, token_of, trash_name
 from ._sweep import forget_listing, sweep_stale
 from ._unlinker import UNLINKER
 

@@ -10,7 +10,7 @@ import time
 
 from ...errors import CheckpointError
 from ._journal import NONBLOCK, read_journal
-from ._names import data_path
+from .._naming import data_path
 
 _OPEN_ATTEMPTS = 100  # a reader retries this often (with growing sleeps, ~3 s in all) while saves race it
 

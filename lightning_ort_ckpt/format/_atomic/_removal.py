@@ -8,7 +8,8 @@ import os
 from ._durable import discard
 from ._journal import recover_locked
 from ._lock import WriterLock
-from ._names import check_names_fit, data_path, hidden_name, token, trash_name
+from .._naming import data_path
+from ._names import check_names_fit, hidden_name, token, trash_name
 from ._saving import commit_locked
 from ._unlinker import UNLINKER
 

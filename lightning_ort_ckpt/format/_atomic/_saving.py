@@ -15,7 +15,8 @@ from .._shared_data import Identity, link_into
 from ._durable import discard, makedirs_durably
 from ._journal import journal_record, recover_locked, replace, retire
 from ._lock import WriterLock
-from ._names import check_names_fit, data_path, hidden_name, journal_path, temp_name, token, trash_name
+from .._naming import data_path
+from ._names import check_names_fit, hidden_name, journal_path, temp_name, token, trash_name
 from ._sweep import sweep_stale
 from ._unlinker import UNLINKER
 
