@@ -22,24 +22,29 @@ from ._names import LEFTOVER, OLD_LEFTOVER, dead
 class Unlinker:
     """One daemon thread that deletes files in the order they were queued, running only while files are queued: it
     starts with the first, ends when the queue is empty, and is registered with ``atexit`` (to delete what is left
-    at exit) only meanwhile, so importing the package starts and registers nothing."""
+    at exit) only meanwhile, so importing the package starts and registers nothing. A forked child starts with a
+    queue of its own (:meth:`_this_process`): no at-fork handler is registered for it."""
 
     def __init__(self) -> None:
         self._reset()
-        self._fork_handled = False
 
     def _reset(self) -> None:
+        self._pid = os.getpid()
         self._queue: queue.Queue[str] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def _this_process(self) -> None:
+        """In a forked child, a fresh queue: the parent's thread does not run here, and its locks may be held by
+        threads the child does not have."""
+        if self._pid != os.getpid():
+            self._reset()
+
     def put(self, path: str) -> None:
+        self._this_process()
         with self._lock:
             self._queue.put(path)
             if self._thread is None:
-                if not self._fork_handled and hasattr(os, "register_at_fork"):  # a forked child: no thread, fresh
-                    os.register_at_fork(after_in_child=self._reset)
-                    self._fork_handled = True
                 atexit.register(self.drain)
                 self._thread = threading.Thread(target=self._run, name="ort-ckpt-unlink", daemon=True)
                 self._thread.start()
@@ -47,6 +52,7 @@ class Unlinker:
     def join(self, timeout: float | None = None) -> bool:
         """Wait until every queued file is deleted and the thread has ended (it ends as the queue empties); False
         when ``timeout`` seconds passed first."""
+        self._this_process()
         done = self._queue.all_tasks_done
         with done:
             if not done.wait_for(lambda: not self._queue.unfinished_tasks, timeout):
@@ -61,6 +67,7 @@ class Unlinker:
     def drain(self) -> None:
         """Delete what is still queued on the calling thread too, and wait for the one being deleted and for the
         thread to end (no thread of ours runs while the interpreter finalizes)."""
+        self._this_process()
         while True:
             try:
                 path = self._queue.get_nowait()
@@ -106,8 +113,16 @@ def wait_for_cleanup() -> None:
 
 STALE_AGE_S = 7 * 24 * 3600  # leftovers of other hosts, or named as older versions did, go only after this long
 
-_SWEPT_LOCK = threading.Lock()
-_WAITING: dict[str, set[str]] = {}  # each directory this process listed -> the leftovers there that had to wait
+_Sweeps = tuple[threading.Lock, dict[str, set[str]]]
+_SWEEPS: dict[int, _Sweeps] = {}  # by process: a lock, and each directory it listed -> the leftovers that had to wait
+
+
+def _sweeps() -> _Sweeps:
+    """This process's lock and listings. A forked child makes its own (its parent's lock may be held by a thread
+    the child does not have), so no at-fork handler is registered, at import or later."""
+    pid = os.getpid()
+    found = _SWEEPS.get(pid)
+    return found if found is not None else _SWEEPS.setdefault(pid, (threading.Lock(), {}))
 
 
 def sweep_stale(directory: str, *, relist: bool = False) -> None:
@@ -117,12 +132,13 @@ def sweep_stale(directory: str, *, relist: bool = False) -> None:
     run, not one per save. Later calls look again only at the leftovers that listing found and had to leave (a live
     writer's, another host's, recent ones of older versions)."""
     now = time.time()
-    with _SWEPT_LOCK:
-        names = None if relist else _WAITING.get(directory)
+    lock, waiting = _sweeps()
+    with lock:
+        names = None if relist else waiting.get(directory)
         if names is None:
             with os.scandir(directory) as entries:
                 names = {e.name for e in entries if LEFTOVER.match(e.name) or OLD_LEFTOVER.match(e.name)}
-        _WAITING[directory] = {name for name in names if not _swept(os.path.join(directory, name), now)}
+        waiting[directory] = {name for name in names if not _swept(os.path.join(directory, name), now)}
 
 
 def _swept(path: str, now: float) -> bool:
@@ -142,14 +158,6 @@ def _swept(path: str, now: float) -> bool:
 
 def forget_listing(directory: str) -> None:
     """Have the next save list ``directory`` again (a writer died there during this run)."""
-    with _SWEPT_LOCK:
-        _WAITING.pop(directory, None)
-
-
-def _reset_sweeps() -> None:
-    global _SWEPT_LOCK
-    _SWEPT_LOCK = threading.Lock()  # a forked child gets the lock as its parent's other threads held it
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_sweeps)
+    lock, waiting = _sweeps()
+    with lock:
+        waiting.pop(directory, None)
