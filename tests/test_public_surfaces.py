@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import lightning_ort_ckpt.artifacts as artifacts
+from lightning_ort_ckpt.dcp import OrtStorageWriter
 
 LIMIT_S = 120
 
@@ -35,3 +36,9 @@ def test_artifacts_say_which_weights_do_not_fit_the_module_given(tmp_path: Path)
                                           example_input=torch.ones(1, 3))
     assert str(checkpoint) in str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_storage_writer_takes_no_internal_tree() -> None:
+    assert "tree" not in inspect.signature(OrtStorageWriter).parameters
+    with pytest.raises(TypeError):
+        OrtStorageWriter("x", tree={})  # type: ignore[call-arg]
