@@ -15,8 +15,9 @@ returns. :class:`Stager` makes those copies with these rules:
   hold, and the optimizers' state) are deferred: on CPU they are copied on the writer thread while training runs its
   next forward and backward pass; on CUDA they are copied from the GPU at once, but on a side stream that first waits
   for the training stream, into pinned memory, without blocking the CPU; the writer thread waits for those copies
-  before writing. An optimizer step waits only for the copies of the tensors *it* holds (a torch step pre-hook; for
-  a step given a closure, as Lightning steps, after the closure's forward and backward): on CPU by blocking until
+  before writing. An optimizer step waits only for the copies of the tensors *it* holds (a step pre-hook on each
+  optimizer a save defers to, registered by the save and removed at :meth:`Stager.close`; for a step given a
+  closure, as Lightning steps, after the closure's forward and backward): on CPU by blocking until
   the writer made them, on CUDA by making the training stream wait for the copies' events (no CPU block). The
   device-specific part is a :class:`CopyOrder` per tensor (``record``, ``wait_on_device``, ``synchronize``).
   Buffers, which a forward pass may update, and everything else are copied before the save call returns (on CUDA:
@@ -36,91 +37,20 @@ from __future__ import annotations
 import mmap
 import threading
 import warnings
-from collections.abc import Callable, Collection, Iterable
+import weakref
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._staging_memory import Sources, Spec, StagingMemory, state_tensors
 from ._torch_compat import version_counter
 from .errors import CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, OptimizerGroup, StoredAs
 
-_lock = threading.Lock()
-_pending: dict[int, list[_Item]] = {}  # deferred copies not finished yet, by source memory, across every plugin
-_steps = 0  # optimizer steps taken in this process while the hook was installed
 _ALIGN = 64  # bytes: where each buffer starts inside a pinned block
 _PAGE = mmap.PAGESIZE
-
-
-def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """torch's global step pre-hook: no optimizer changes a tensor while a copy of it is still being made.
-
-    A step given a closure (Lightning's automatic optimization: the closure runs forward and backward inside
-    ``step``) gets the closure wrapped, so the wait comes after the forward and backward pass, right before the
-    update; a step without one waits here (its forward and backward pass ran before the call).
-    """
-    global _steps
-    _steps += 1
-    if not _pending:
-        return None
-    # torch passes the step's own arguments with the optimizer first: (optimizer, closure?) or closure=...
-    closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
-    if not callable(closure):
-        _wait_for_copies(optimizer)
-        return None
-
-    def closure_then_wait(*a: Any, **k: Any) -> Any:
-        result = closure(*a, **k)
-        _wait_for_copies(optimizer)
-        return result
-
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": closure_then_wait}
-    return (args[0], closure_then_wait, *args[2:]), kwargs
-
-
-def _wait_for_copies(optimizer: torch.optim.Optimizer) -> None:
-    """Order ``optimizer``'s update after the pending copies of the tensors it holds (its parameters and state), and
-    of no other: a second optimizer's pending copy does not hold this one's step."""
-    if not _pending:
-        return
-    held = optimizer_tensors([optimizer])
-    with _lock:
-        items = [item for t in held for item in _pending.get(t.data_ptr(), ())]
-    for item in items:
-        item.order.wait_on_device()
-    with _lock:
-        for item in items:  # the versions before this update: the writer's in-place check must not count it
-            if item.released is None:
-                item.released = version_counter(item.source)
-
-
-class _StepHook:
-    """torch's global optimizer step pre-hook, installed while at least one :class:`Stager` uses it: a plugin's
-    ``teardown`` closes its stager, and the last one to close removes the hook."""
-
-    def __init__(self) -> None:
-        self._users = 0
-        self._handle: Any = None
-
-    def acquire(self) -> None:
-        with _lock:
-            self._users += 1
-            if self._handle is None:
-                self._handle = register_optimizer_step_pre_hook(_before_optimizer_step)
-
-    def release(self) -> None:
-        with _lock:
-            self._users -= 1
-            if self._users == 0 and self._handle is not None:
-                self._handle.remove()
-                self._handle = None
-
-
-_HOOK = _StepHook()
 
 
 class CopyOrder:
@@ -278,7 +208,7 @@ def _unpin(pages: torch.Tensor) -> None:
 
 class Stager:
     """The staging memory of one plugin (``_staging_memory``, with page-locked blocks for CUDA tensors), reused from
-    save to save."""
+    save to save, and the step pre-hooks on the optimizers its saves defer copies to."""
 
     def __init__(self) -> None:
         self._memory = StagingMemory(self._allocate, _spec, "ort-ckpt-staging")
@@ -287,18 +217,21 @@ class Stager:
         self._sources: dict[str, tuple[torch.Tensor, int, int]] = {}
         self._pinned: list[torch.Tensor] = []  # page-locked blocks, unpinned at close
         self._streams: dict[torch.device, Any] = {}  # the side stream of each GPU
-        self._hooked = False
+        self._lock = threading.Lock()
+        self._pending: dict[int, list[_Item]] = {}  # deferred copies not made yet, by source memory
+        self._steps = 0  # steps the hooked optimizers took
+        self._hooked: list[tuple[weakref.ref[torch.optim.Optimizer], Any]] = []  # each optimizer and its pre-hook
 
     def close(self) -> None:
-        """Free the staging memory and stop holding the optimizer step hook (once every save is written)."""
+        """Free the staging memory and remove the optimizers' step hooks (once every save is written)."""
+        hooked, self._hooked = self._hooked, []
+        for _, handle in hooked:
+            handle.remove()
         self._memory.close()
         self._sources, self._streams = {}, {}
         pinned, self._pinned = self._pinned, []
         for block in pinned:
             _unpin(block)
-        if self._hooked:
-            self._hooked = False
-            _HOOK.release()
 
     def ready(self) -> bool:
         """Whether the next save finds memory to copy into, without waiting for an allocation still running."""
@@ -346,31 +279,33 @@ class Stager:
         return stream
 
     def stage(self, ck: CheckpointContents, path: str, deferrable: Iterable[torch.Tensor], live: Iterable[torch.Tensor],
-              wait_for_buffers: Callable[[], None], keep: Collection[str] = ()) -> tuple[CheckpointContents, _Copy]:
+              wait_for_buffers: Callable[[], None], keep: Collection[str] = (),
+              optimizers: Sequence[torch.optim.Optimizer] = ()) -> tuple[CheckpointContents, _Copy]:
         """``ck`` with every tensor replaced by a buffer of its own.
 
-        Tensors that share memory with ``deferrable`` (parameters the optimizers hold, and their state) are copied
-        by the returned job (run it on the writer thread, before the write; CUDA ones are enqueued now, and the job
-        waits for them); all others now. A tensor of ``live`` (the module's parameters and buffers, and
-        ``deferrable``) unchanged since the previous save, with no optimizer step since, reuses that save's copy. ``wait_for_buffers`` is called before the first copy into memory that an earlier
+        Tensors that share memory with ``deferrable`` (parameters the optimizers hold, and their state) and that one
+        of ``optimizers`` holds are copied by the returned job (run it on the writer thread, before the write; CUDA
+        ones are enqueued now, and the job waits for them): those optimizers' steps wait for them (a step pre-hook
+        on each, until :meth:`close`). All others are copied now. A tensor of ``live`` (the module's parameters and
+        buffers, and ``deferrable``) unchanged since the previous save, with no step of those optimizers since,
+        reuses that save's copy. ``wait_for_buffers`` is called before the first copy into memory that an earlier
         save may still be writing from: a save that reuses every copy waits for nothing. Frozen tensors named in
         ``keep`` stay the live ones, uncopied (``sharing``: unchanged frozen tensors that the save will most likely
         not write at all)."""
-        if not self._hooked:
-            _HOOK.acquire()
-            self._hooked = True
+        self._hook(optimizers)
         entries = _entries(ck, keep)
         specs = {where: _spec(t) for where, t in entries.items()}
         chosen, reused, waited = self._memory.take(specs, wait_for_buffers)
-        job = _Copy(path, _pending, _lock)
-        defer = {t.data_ptr() for t in deferrable}
+        held = {t.data_ptr() for t in optimizer_tensors(optimizers)}
+        job = _Copy(path, self._pending, self._lock)
+        defer = {t.data_ptr() for t in deferrable} & held
         live_memory = defer | {t.data_ptr() for t in live}
         sources, self._sources = self._sources, {}
         streams_waited: set[torch.device] = set()
         for where, t in entries.items():
             previous = sources.get(where)
             if not (where in reused and previous is not None and previous[0].data_ptr() == t.data_ptr()
-                    and previous[0].device == t.device and previous[1:] == (version_counter(t), _steps)):
+                    and previous[0].device == t.device and previous[1:] == (version_counter(t), self._steps)):
                 if where in reused and not waited:
                     wait_for_buffers()
                     waited = True
@@ -379,11 +314,11 @@ class Stager:
                     job.items.append(item)
             # else: unchanged since the last save copied it, with no optimizer step since: reuse that copy
             if t.data_ptr() in live_memory:
-                self._sources[where] = (t, version_counter(t), _steps)
-        with _lock:
+                self._sources[where] = (t, version_counter(t), self._steps)
+        with self._lock:
             for item in job.items:
                 if item.deferred:
-                    _pending.setdefault(item.source.data_ptr(), []).append(item)
+                    self._pending.setdefault(item.source.data_ptr(), []).append(item)
         if not job.items:
             job.done.set()
         return _staged(ck, chosen, keep), job
@@ -408,6 +343,52 @@ class Stager:
             return _Item(where, t, buffer, HostOrder(), True, True, version_counter(t))
         buffer.copy_(t.detach())
         return None
+
+    def _hook(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """A step pre-hook on each of ``optimizers`` not hooked yet (removed at :meth:`close`)."""
+        for optimizer in optimizers:
+            if not any(ref() is optimizer for ref, _ in self._hooked):
+                self._hooked.append((weakref.ref(optimizer), optimizer.register_step_pre_hook(self._before_step)))
+
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The step pre-hook: no optimizer changes a tensor while a copy of it is still being made.
+
+        A step given a closure (Lightning's automatic optimization: the closure runs forward and backward inside
+        ``step``) gets the closure wrapped, so the wait comes after the forward and backward pass, right before the
+        update; a step without one waits here (its forward and backward pass ran before the call).
+        """
+        self._steps += 1
+        if not self._pending:
+            return None
+        # torch passes the step's own arguments with the optimizer first: (optimizer, closure?) or closure=...
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if not callable(closure):
+            self._wait_for_copies(optimizer)
+            return None
+
+        def closure_then_wait(*a: Any, **k: Any) -> Any:
+            result = closure(*a, **k)
+            self._wait_for_copies(optimizer)
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
+
+    def _wait_for_copies(self, optimizer: torch.optim.Optimizer) -> None:
+        """Order ``optimizer``'s update after the pending copies of the tensors it holds (its parameters and state),
+        and of no other: a second optimizer's pending copy does not hold this one's step."""
+        if not self._pending:
+            return
+        held = optimizer_tensors([optimizer])
+        with self._lock:
+            items = [item for t in held for item in self._pending.get(t.data_ptr(), ())]
+        for item in items:
+            item.order.wait_on_device()
+        with self._lock:
+            for item in items:  # the versions before this update: the writer's in-place check must not count it
+                if item.released is None:
+                    item.released = version_counter(item.source)
 
 
 def _entries(ck: CheckpointContents, keep: Collection[str]) -> dict[str, torch.Tensor]:

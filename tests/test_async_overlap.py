@@ -80,7 +80,7 @@ def blocked_in_staging_wait(thread: threading.Thread) -> bool:
     """Whether ``thread`` is inside the optimizer step's wait for a staging copy (read from its live stack)."""
     frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
     while frame is not None:
-        if frame.f_code is staging._wait_for_copies.__code__:
+        if frame.f_code is staging.Stager._wait_for_copies.__code__:
             return True
         frame = frame.f_back
     return False
@@ -190,7 +190,7 @@ def test_a_step_waits_only_for_its_own_optimizers_copies() -> None:
     for i, (m, o, stager) in enumerate(zip(models, opts, stagers)):
         ck = CheckpointContents(trainable={"w": m.weight.detach()},
                                 frozen={"exp_avg": o.state[m.weight]["exp_avg"]})
-        jobs.append(stager.stage(ck, f"{i}.ckpt", staging.optimizer_tensors([o]), [], lambda: None))
+        jobs.append(stager.stage(ck, f"{i}.ckpt", staging.optimizer_tensors([o]), [], lambda: None, optimizers=[o]))
     try:
         jobs[1][1]()  # the second save's copy is made; the first one's is not
         steps = threading.Thread(target=opts[1].step)
@@ -315,7 +315,8 @@ def test_cuda_path_order_of_operations_with_cpu_stand_ins(monkeypatch: pytest.Mo
     ck = CheckpointContents(trainable={"a": a.weight.detach(), "b": b.weight.detach()}, frozen={"running": running})
     stager = staging.Stager()
     before = a.weight.detach().clone()
-    staged, job = stager.stage(ck, "x.ckpt", staging.optimizer_tensors([opt_a, opt_b]), [running], lambda: None)
+    staged, job = stager.stage(ck, "x.ckpt", staging.optimizer_tensors([opt_a, opt_b]), [running], lambda: None,
+                                optimizers=[opt_a, opt_b])
     assert log == [("stream waits for the training stream", None), ("record", "a"), ("record", "b"),
                    ("record", "running"), ("training stream waits", "running")]
     del log[:]
