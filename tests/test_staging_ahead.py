@@ -237,3 +237,35 @@ def test_dcp_async_save_copies_into_memory_our_writer_allocated_ahead(tmp_path: 
     dcp.load(loaded, storage_reader=OrtStorageReader(tmp_path / "a"))
     assert all(torch.equal(loaded["model"][k], v) for k, v in expected["model"].items())
     assert torch.equal(loaded["step"], expected["step"])
+
+
+@pytest.mark.parametrize("layout", ["module", "shards"])
+def test_the_step_hook_that_starts_the_allocation_never_removes_itself(layout: str) -> None:
+    """torch iterates over its post-hooks while it calls them: the hook that starts the allocation must not remove
+    itself from under that loop (a hook registered after it would make the step raise). It does nothing once it
+    has started; the first save removes it, and a hook registered after it ran at every step."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, register_optimizer_step_post_hook
+
+    model = nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    stager = _staging.Stager() if layout == "module" else _dcp_staging.ShardStager()
+    before = set(_global_optimizer_post_hooks)
+    stager.prepare(lambda: (list(model.parameters()), [opt]))
+    later: list[int] = []
+    other = register_optimizer_step_post_hook(lambda *_: later.append(1))
+    try:
+        for _ in range(2):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()  # the first step starts the allocation; the second finds the hook idle
+        stager._memory.join()
+        assert later == [1, 1] and stager.ready()
+        assert len(set(_global_optimizer_post_hooks) - before) == 2  # ours (idle) and the later one
+        if layout == "module":
+            stager.stage(_contents(w=model.weight.detach()), "x", [], [], lambda: None)[1]()
+        else:
+            stager.stage({"w": model.weight.detach()})
+        assert set(_global_optimizer_post_hooks) - before == {other.id}  # the save removed ours
+    finally:
+        other.remove()
+        stager.close()
+    assert set(_global_optimizer_post_hooks) == before
