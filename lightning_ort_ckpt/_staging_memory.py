@@ -8,9 +8,10 @@ allocated ahead of the first one, let go at ``close``.
 - **Reused, bounded**: each save takes (:meth:`StagingMemory.take`) the previous save's buffer of the same key and
   shape, else one allocated ahead of the same shape, else a new one; what it does not take is let go before it
   allocates what it lacks, so one copy of the state exists at a time.
-- **Hooks removed where torch does not iterate them**: the optimizer step post-hooks that wait for the first steps
-  never remove themselves (torch is iterating over their dictionary while it calls them): once they have started
-  the allocation they do nothing, and the next :meth:`take` or :meth:`close` removes them.
+- **Hooks removed where torch does not iterate them**: the optimizer step post-hook that waits for the first steps
+  is torch's global one (``prepare`` is called when a plugin is bound, before the strategy has made its
+  optimizers); it never removes itself (torch is iterating over that dictionary while it calls it): once it has
+  started the allocation it does nothing, and the next :meth:`take` or :meth:`close` removes it.
 
 How a buffer is made (pinned, one block, carved) and what is copied into it is the layout's (``_staging``: a
 module's tensors; ``_dcp_staging``: each rank's shards), given as ``allocate`` and ``spec``.
