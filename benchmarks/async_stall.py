@@ -62,10 +62,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import BindCheckpointIO, _rng as rng, _staging as staging
+from lightning_ort_ckpt._staging_memory import state_tensors
 
 WAITED = {"seconds": 0.0}
-"""Time optimizer steps spent waiting for deferred copies: the benchmark wraps the staging module's wait."""
-_wait_for_copies = staging._wait_for_copies
+"""Time optimizer steps spent waiting for deferred copies: the benchmark wraps the stagers' wait."""
+_wait_for_copies = staging.Stager._wait_for_copies
 
 
 def _timed_wait(*args: Any) -> None:
@@ -74,7 +75,7 @@ def _timed_wait(*args: Any) -> None:
     WAITED["seconds"] += time.perf_counter() - t0
 
 
-staging._wait_for_copies = _timed_wait  # benchmark-only: the optimizer hook calls it through the module
+staging.Stager._wait_for_copies = _timed_wait  # type: ignore[method-assign]  # benchmark-only: the hook calls it
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt._async_saver import BackgroundQueue
 from lightning_ort_ckpt._plugin import OrtCheckpointIO
@@ -259,15 +260,16 @@ def first_saves(trainer: pl.Trainer, plugin: OrtCheckpointIO, parts: dict[str, l
     info = ModuleInfo.from_module(module, list(strategy.optimizers))
     ck = to_ort({**checkpoint, RNG_KEY: rng.capture()}, info, ort_compatible=plugin.ort_compatible)
     live = list(module.state_dict(keep_vars=True).values())
-    specs = [staging._spec(t) for t in [*live, *staging._state_tensors(strategy.optimizers)]]
+    specs = [staging._spec(t) for t in [*live, *state_tensors(strategy.optimizers)]]
     for ahead in ("nothing", "untouched", "touched"):
         stager = staging.Stager()
         if ahead != "nothing":
-            for spec, buffer in zip(specs, stager._allocate(specs, touch=ahead == "touched")):
-                stager._spares.setdefault(spec, []).append(buffer)
+            for spec, buffer in zip(specs, stager._memory.allocate(specs, ahead == "touched")):
+                stager._memory.spares.setdefault(spec, []).append(buffer)
         gc.collect()
         t0 = time.perf_counter()
-        _, job = stager.stage(ck, "bench", staging.optimizer_tensors(strategy.optimizers), live, lambda: None)
+        _, job = stager.stage(ck, "bench", staging.optimizer_tensors(strategy.optimizers), live, lambda: None,
+                              optimizers=strategy.optimizers)
         t1 = time.perf_counter()
         job()
         t2 = time.perf_counter()

@@ -115,14 +115,14 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     elif mode == "lightning_async":
         plugin = AsyncCheckpointIO(TorchCheckpointIO())
     waited = {"s": 0.0}
-    real_wait = _staging._wait_for_copies
+    real_wait = _staging.Stager._wait_for_copies
 
     def timed_wait(*a: Any) -> None:  # the time optimizer steps block the CPU for our deferred copies
         t0 = time.perf_counter()
         real_wait(*a)
         waited["s"] += time.perf_counter() - t0
 
-    _staging._wait_for_copies = timed_wait
+    _staging.Stager._wait_for_copies = timed_wait  # type: ignore[method-assign]
 
     class Saver(pl.Callback):
         def __init__(self) -> None:

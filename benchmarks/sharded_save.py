@@ -89,7 +89,7 @@ def _worker(mb: int, rounds: int, directory: str, ahead: bool) -> None:
             dist.barrier()
             stats.setdefault(name, []).append((stall, time.perf_counter() - start,
                                                max(0, _kb("VmHWM") - before) >> 10))
-    held = sum(t.numel() * t.element_size() for t in writer._stager._buffers.values()) / 2**20
+    held = sum(t.numel() * t.element_size() for _, t in writer._stager._memory.buffers.values()) / 2**20
     writer.close()
     med = {k: [statistics.median(x[i] for x in v) for i in range(3)] for k, v in stats.items()}
     shard_mb = mb / 2

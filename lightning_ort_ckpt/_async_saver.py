@@ -148,10 +148,15 @@ class BackgroundSaves:
     def __init__(self) -> None:
         self._queue: BackgroundQueue | None = None
         self._stager = _staging.Stager()  # staging memory, reused from save to save
+        self._sources: Sources | None = None  # what saves stage, given by prepare
 
     def own(self, contents: CheckpointContents, path: str, deferrable: Iterable[Any], live: Iterable[Any],
             wait: Callable[[], None], keep: Collection[str]) -> tuple[CheckpointContents, Collection[str]]:
-        staged, copy_later = self._stager.stage(contents, path, deferrable, live, wait, keep)
+        """Staged copies; those of ``deferrable`` that the optimizers of ``prepare``'s sources hold wait for the
+        writer thread, and only those optimizers' steps wait for them (without sources, everything is copied now)."""
+        found = self._sources() if self._sources is not None else None
+        staged, copy_later = self._stager.stage(contents, path, deferrable, live, wait, keep,
+                                                found[1] if found is not None else ())
         self.run(copy_later)  # the copies an optimizer step waits for, first on the thread
         return staged, keep
 
@@ -163,6 +168,8 @@ class BackgroundSaves:
     def prepare(self, sources: Sources) -> None:
         """The staging memory, and the writer thread, ready ahead of the first save: both from the first optimizer
         step that finds ``sources`` (while saves are asynchronous)."""
+
+        self._sources = sources
 
         def found() -> tuple[list[Any], list[Any]] | None:
             what = sources()

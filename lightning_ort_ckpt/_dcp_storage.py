@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ._dcp_folder import METADATA_NAME, is_sharded_checkpoint, join, read_metadata
 from ._dcp_metadata import dtype_of
 from ._dcp_reader import OrtStorageReader, ShardFiles
-from ._dcp_writer import OrtStorageWriter
+from ._dcp_writer import OrtStorageWriter, tree_writer
 from ._translation import values
 from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 
@@ -78,7 +78,7 @@ def flatten(state: dict[str, Any], path: str) -> tuple[Any, dict[str, torch.Tens
 def save_flat(tree: Any, flat: dict[str, torch.Tensor], path: str, *, storage_options: dict[str, Any] | None = None,
               process_group: Any = None) -> None:
     """:func:`save_sharded` of what :func:`flatten` gave."""
-    writer = OrtStorageWriter(path, storage_options=storage_options, tree=tree)
+    writer = tree_writer(path, tree, storage_options=storage_options)
     try:
         with _quiet():
             dcp_save(flat, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),

@@ -39,8 +39,7 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
     ODTC file of its items (tensor chunks, and each non-tensor item as a uint8 tensor: no pickle), with a checksum
     per tensor; the coordinator writes the JSON metadata last, atomically, then removes the files of the save it
     replaced. ``overwrite=False`` refuses a path that holds a checkpoint; ``thread_count`` is accepted for
-    ``FileSystemWriter``'s signature (one file per rank, streamed once: see docs/dcp.md). ``tree``: for
-    :func:`save_sharded`, the encoded tree of the save (the coordinator's is kept).
+    ``FileSystemWriter``'s signature (one file per rank, streamed once: see docs/dcp.md).
 
     As DCP's stager (``dcp.async_save(state, storage_writer=writer)``): the state is copied into CPU memory the
     writer keeps from save to save (allocated by the first, or ahead of it by :meth:`allocate_staging`, reused by the
@@ -49,14 +48,14 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike[str], *, storage_options: StorageOptions | None = None,
-                 overwrite: bool = True, thread_count: int = 1, tree: Any = None) -> None:
+                 overwrite: bool = True, thread_count: int = 1) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be a positive int, not {thread_count!r}")
         self.storage_options = storage_options
         self.overwrite = overwrite
         self.thread_count = thread_count
-        self.tree = tree
+        self._tree: Any = None  # save_sharded's encoded values (:func:`tree_writer`); DCP users give none
         self.is_coordinator = False
         self.rank = 0
         self.use_collectives = True
@@ -183,7 +182,7 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
         save is committed; if that cannot be told, :class:`CommitUnknownError` (the shards stay)."""
         where = {r.index: r.storage_data for rank in results for r in rank}
         metadata.storage_meta = metadata.storage_meta or self.storage_meta()
-        data = _dcp_metadata.encoded(_dcp_metadata.document(metadata, where, self.files, self.tree))
+        data = _dcp_metadata.encoded(_dcp_metadata.document(metadata, where, self.files, self._tree))
         name = METADATA_NAME if self.use_collectives else rank_metadata_name(self.rank)
         meta = join(self.path, name)
         try:
@@ -231,3 +230,10 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
         except Exception:  # noqa: BLE001 - a path we cannot look at is none we can tell is ours
             return False
 
+
+def tree_writer(path: str, tree: Any, *, storage_options: StorageOptions | None = None) -> OrtStorageWriter:
+    """The writer of ``_dcp_storage.save_flat``: its metadata also holds ``tree``, the save's values encoded (the
+    coordinator's is kept). Not a parameter of :class:`OrtStorageWriter`: DCP users never give one."""
+    writer = OrtStorageWriter(path, storage_options=storage_options)
+    writer._tree = tree
+    return writer

@@ -6,18 +6,18 @@ returns. :class:`Stager` makes those copies with these rules:
 - **Bounded**: the plugin stages a save only once the previous one is written (``OrtCheckpointIO`` waits for it),
   so one checkpoint's worth of staging memory exists at a time and saves never pile up: saves asked for faster than
   the disk writes them take the disk's pace, as synchronous saves would.
-- **Reused memory, allocated ahead**: each save copies into the previous save's buffers. A copy into memory already
-  touched runs at memcpy speed; into fresh memory it pays a page fault per page, which on VMs is slower than the
-  disk. The first save's buffers are allocated and touched ahead of it (:meth:`Stager.prepare`): on a background
-  thread started after every optimizer has taken its first step (Adam's state exists only from then on), so a save
-  every N steps finds them ready. Memory for CUDA tensors is page-locked (pinned), one block for the whole state,
-  so the GPU copies into it asynchronously; it is released by :meth:`Stager.close` (the plugin's ``teardown``).
+- **Reused memory, allocated ahead** (``_staging_memory``, shared with the sharded layout): each save copies into the
+  previous save's buffers. A copy into memory already touched runs at memcpy speed; into fresh memory it pays a page
+  fault per page, which on VMs is slower than the disk. The first save's buffers are allocated and touched ahead of
+  it (:meth:`Stager.prepare`). Memory for CUDA tensors is page-locked (pinned), one block for the whole state, so
+  the GPU copies into it asynchronously; it is released by :meth:`Stager.close` (the plugin's ``teardown``).
 - **Out of the training thread's way**: tensors that only an optimizer step changes (the parameters the optimizers
   hold, and the optimizers' state) are deferred: on CPU they are copied on the writer thread while training runs its
   next forward and backward pass; on CUDA they are copied from the GPU at once, but on a side stream that first waits
   for the training stream, into pinned memory, without blocking the CPU; the writer thread waits for those copies
-  before writing. An optimizer step waits only for the copies of the tensors *it* holds (a torch step pre-hook; for
-  a step given a closure, as Lightning steps, after the closure's forward and backward): on CPU by blocking until
+  before writing. An optimizer step waits only for the copies of the tensors *it* holds (a step pre-hook on each
+  optimizer a save defers to, registered by the save and removed at :meth:`Stager.close`; for a step given a
+  closure, as Lightning steps, after the closure's forward and backward): on CPU by blocking until
   the writer made them, on CUDA by making the training stream wait for the copies' events (no CPU block). The
   device-specific part is a :class:`CopyOrder` per tensor (``record``, ``wait_on_device``, ``synchronize``).
   Buffers, which a forward pass may update, and everything else are copied before the save call returns (on CUDA:
@@ -37,92 +37,20 @@ from __future__ import annotations
 import mmap
 import threading
 import warnings
-from collections.abc import Callable, Collection, Iterable
+import weakref
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ._staging_memory import Sources, Spec, StagingMemory, state_tensors
 from ._torch_compat import version_counter
 from .errors import CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents, OptimizerGroup, StoredAs
 
-_lock = threading.Lock()
-_pending: dict[int, list[_Item]] = {}  # deferred copies not finished yet, by source memory, across every plugin
-_steps = 0  # optimizer steps taken in this process while the hook was installed
 _ALIGN = 64  # bytes: where each buffer starts inside a pinned block
 _PAGE = mmap.PAGESIZE
-
-Spec = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, pinned: what a staging buffer must be to hold a copy
-
-
-def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """torch's global step pre-hook: no optimizer changes a tensor while a copy of it is still being made.
-
-    A step given a closure (Lightning's automatic optimization: the closure runs forward and backward inside
-    ``step``) gets the closure wrapped, so the wait comes after the forward and backward pass, right before the
-    update; a step without one waits here (its forward and backward pass ran before the call).
-    """
-    global _steps
-    _steps += 1
-    if not _pending:
-        return None
-    # torch passes the step's own arguments with the optimizer first: (optimizer, closure?) or closure=...
-    closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
-    if not callable(closure):
-        _wait_for_copies(optimizer)
-        return None
-
-    def closure_then_wait(*a: Any, **k: Any) -> Any:
-        result = closure(*a, **k)
-        _wait_for_copies(optimizer)
-        return result
-
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": closure_then_wait}
-    return (args[0], closure_then_wait, *args[2:]), kwargs
-
-
-def _wait_for_copies(optimizer: torch.optim.Optimizer) -> None:
-    """Order ``optimizer``'s update after the pending copies of the tensors it holds (its parameters and state), and
-    of no other: a second optimizer's pending copy does not hold this one's step."""
-    if not _pending:
-        return
-    held = optimizer_tensors([optimizer])
-    with _lock:
-        items = [item for t in held for item in _pending.get(t.data_ptr(), ())]
-    for item in items:
-        item.order.wait_on_device()
-    with _lock:
-        for item in items:  # the versions before this update: the writer's in-place check must not count it
-            if item.released is None:
-                item.released = version_counter(item.source)
-
-
-class _StepHook:
-    """torch's global optimizer step pre-hook, installed while at least one :class:`Stager` uses it: a plugin's
-    ``teardown`` closes its stager, and the last one to close removes the hook."""
-
-    def __init__(self) -> None:
-        self._users = 0
-        self._handle: Any = None
-
-    def acquire(self) -> None:
-        with _lock:
-            self._users += 1
-            if self._handle is None:
-                self._handle = register_optimizer_step_pre_hook(_before_optimizer_step)
-
-    def release(self) -> None:
-        with _lock:
-            self._users -= 1
-            if self._users == 0 and self._handle is not None:
-                self._handle.remove()
-                self._handle = None
-
-
-_HOOK = _StepHook()
 
 
 class CopyOrder:
@@ -207,6 +135,8 @@ class _Copy:
     are made (or failed)."""
 
     path: str
+    pending: dict[int, list[_Item]]  # the stager's deferred copies not made yet, by source memory
+    lock: threading.Lock  # the stager's, over ``pending`` and the versions a step released
     items: list[_Item] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -221,7 +151,7 @@ class _Copy:
                 else:
                     item.order.synchronize()
                 if item.deferred:
-                    with _lock:
+                    with self.lock:
                         seen = item.released if item.released is not None else version_counter(item.source)
                     if seen != item.version:
                         torn.append(item.name)
@@ -237,13 +167,13 @@ class _Copy:
     def skipped(self) -> None:
         """Release the optimizer steps waiting for these copies (the writer calls this when an earlier error stops
         it from running them at all); copies on the GPU are waited for, so their memory may be freed."""
-        with _lock:
+        with self.lock:
             for item in self.items:
-                waiting = _pending.get(item.source.data_ptr())
+                waiting = self.pending.get(item.source.data_ptr())
                 if waiting is not None and item in waiting:
                     waiting.remove(item)
                     if not waiting:
-                        del _pending[item.source.data_ptr()]
+                        del self.pending[item.source.data_ptr()]
         for item in self.items:
             if item.host:
                 item.order.record()
@@ -277,82 +207,41 @@ def _unpin(pages: torch.Tensor) -> None:
 
 
 class Stager:
-    """The staging memory of one plugin, reused from save to save."""
+    """The staging memory of one plugin (``_staging_memory``, with page-locked blocks for CUDA tensors), reused from
+    save to save, and the step pre-hooks on the optimizers its saves defer copies to."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, tuple[Spec, torch.Tensor]] = {}
+        self._memory = StagingMemory(self._allocate, _spec, "ort-ckpt-staging")
         # what each buffer holds a copy of, for tensors of the live module or optimizers: the source tensor (held, so
         # its memory cannot be freed and handed to another tensor meanwhile), its version and the step count then
         self._sources: dict[str, tuple[torch.Tensor, int, int]] = {}
-        self._spares: dict[Spec, list[torch.Tensor]] = {}  # allocated ahead (prepare), not used by a save yet
         self._pinned: list[torch.Tensor] = []  # page-locked blocks, unpinned at close
         self._streams: dict[torch.device, Any] = {}  # the side stream of each GPU
-        self._hooked = False
-        self._prepare_hook: Any = None
-        self._preparing: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._pending: dict[int, list[_Item]] = {}  # deferred copies not made yet, by source memory
+        self._steps = 0  # steps the hooked optimizers took
+        self._hooked: list[tuple[weakref.ref[torch.optim.Optimizer], Any]] = []  # each optimizer and its pre-hook
 
     def close(self) -> None:
-        """Free the staging memory and stop holding the optimizer step hooks (once every save is written)."""
-        if self._prepare_hook is not None:
-            self._prepare_hook.remove()
-            self._prepare_hook = None
-        self._join_preparing()
-        self._buffers, self._sources, self._spares, self._streams = {}, {}, {}, {}
+        """Free the staging memory and remove the optimizers' step hooks (once every save is written)."""
+        hooked, self._hooked = self._hooked, []
+        for _, handle in hooked:
+            handle.remove()
+        self._memory.close()
+        self._sources, self._streams = {}, {}
         pinned, self._pinned = self._pinned, []
         for block in pinned:
             _unpin(block)
-        if self._hooked:
-            self._hooked = False
-            _HOOK.release()
 
     def ready(self) -> bool:
-        """Whether the next save finds memory to copy into (allocated ahead, or the previous save's), without
-        waiting for an allocation still running."""
-        return (self._preparing is None or not self._preparing.is_alive()) and bool(self._spares or self._buffers)
+        """Whether the next save finds memory to copy into, without waiting for an allocation still running."""
+        return self._memory.ready()
 
-    def prepare(self, sources: Callable[[], tuple[list[torch.Tensor], list[torch.optim.Optimizer]] | None]) -> None:
-        """Allocate (and touch, or pin) the first save's staging memory ahead of it, on a background thread.
-
-        ``sources`` says what a save will stage: the module's tensors and the optimizers, or None while the plugin
-        saves synchronously. It is asked after each optimizer step until every one of those optimizers has stepped
-        once (optimizers like Adam create their state in their first step); the memory is then allocated on a
-        thread of its own, which the first save joins. Touching fresh memory costs a page fault per page and
-        pinning it more: off the training thread, a save every N steps finds it done."""
-        if self._prepare_hook is not None or self._buffers:
-            return
-        stepped: set[int] = set()
-
-        def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-            stepped.add(id(optimizer))
-            found = sources()
-            if found is None or not all(id(o) in stepped for o in found[1]):
-                return
-            self._prepare_hook.remove()
-            self._prepare_hook = None
-            if self._buffers:  # a save came first: it allocated its buffers
-                return
-            tensors, optimizers = found
-            specs = [_spec(t) for t in [*tensors, *_state_tensors(optimizers)]]
-            self._preparing = threading.Thread(target=self._allocate_spares, args=(specs,), name="ort-ckpt-staging",
-                                               daemon=True)
-            self._preparing.start()
-
-        self._prepare_hook = register_optimizer_step_post_hook(after_step)
-
-    def _allocate_spares(self, specs: list[Spec]) -> None:
-        spares: dict[Spec, list[torch.Tensor]] = {}
-        try:
-            buffers = self._allocate(specs, touch=True)
-        except (MemoryError, RuntimeError):  # out of memory: the first save allocates, and reports it, itself
-            return
-        for spec, buffer in zip(specs, buffers):
-            spares.setdefault(spec, []).append(buffer)
-        self._spares = spares
-
-    def _join_preparing(self) -> None:
-        if self._preparing is not None:
-            self._preparing.join()
-            self._preparing = None
+    def prepare(self, sources: Sources) -> None:
+        """Allocate (and touch, or pin) the first save's staging memory ahead of it, on a background thread, once
+        every optimizer ``sources()`` names has stepped (``StagingMemory.prepare``): touching fresh memory costs a
+        page fault per page and pinning it more; off the training thread, a save every N steps finds it done."""
+        self._memory.prepare(sources)
 
     def _allocate(self, specs: list[Spec], touch: bool) -> list[torch.Tensor]:
         """Buffers for ``specs``: the pinned ones carved from one page-locked block (pinning faults every page in),
@@ -390,129 +279,160 @@ class Stager:
         return stream
 
     def stage(self, ck: CheckpointContents, path: str, deferrable: Iterable[torch.Tensor], live: Iterable[torch.Tensor],
-              wait_for_buffers: Callable[[], None], keep: Collection[str] = ()) -> tuple[CheckpointContents, _Copy]:
+              wait_for_buffers: Callable[[], None], keep: Collection[str] = (),
+              optimizers: Sequence[torch.optim.Optimizer] = ()) -> tuple[CheckpointContents, _Copy]:
         """``ck`` with every tensor replaced by a buffer of its own.
 
-        Tensors that share memory with ``deferrable`` (parameters the optimizers hold, and their state) are copied
-        by the returned job (run it on the writer thread, before the write; CUDA ones are enqueued now, and the job
-        waits for them); all others now. A tensor of ``live`` (the module's parameters and buffers, and
-        ``deferrable``) unchanged since the previous save, with no optimizer step since, reuses that save's copy.
-        ``wait_for_buffers`` is called before the first copy into memory that an earlier save may still be writing
-        from: a save that reuses every copy waits for nothing. Frozen tensors named in ``keep`` stay the live ones,
-        uncopied (``sharing``: unchanged frozen tensors that the save will most likely not write at all)."""
-        if not self._hooked:
-            _HOOK.acquire()
-            self._hooked = True
-        self._join_preparing()
-        entries: dict[str, torch.Tensor] = {}
-
-        def collect(where: str, t: Any) -> None:
-            if isinstance(t, StoredAs):  # staged as it is (the narrow type), converted as it is written
-                collect(where, t.tensor)
-            elif isinstance(t, torch.Tensor):
-                entries[where] = t
-
-        for n, t in ck.trainable.items():
-            collect(n, t)
-        for n, t in ck.frozen.items():
-            if n not in keep:
-                collect(n, t)
-        for g, grp in ck.optimizer_groups.items():
-            for p, ms in grp.states.items():
-                for m, t in ms.items():
-                    collect(f"{g}/{p}/{m}", t)
-
-        # memory: the previous save's buffer of the same name, else one allocated ahead, else new (one block)
-        buffers, self._buffers = self._buffers, {}
-        spares, self._spares = self._spares, {}
+        Tensors that share memory with ``deferrable`` (parameters the optimizers hold, and their state) and that one
+        of ``optimizers`` holds are copied by the returned job (run it on the writer thread, before the write; CUDA
+        ones are enqueued now, and the job waits for them): those optimizers' steps wait for them (a step pre-hook
+        on each, until :meth:`close`). All others are copied now. A tensor of ``live`` (the module's parameters and
+        buffers, and ``deferrable``) unchanged since the previous save, with no step of those optimizers since,
+        reuses that save's copy. ``wait_for_buffers`` is called before the first copy into memory that an earlier
+        save may still be writing from: a save that reuses every copy waits for nothing. Frozen tensors named in
+        ``keep`` stay the live ones, uncopied (``sharing``: unchanged frozen tensors that the save will most likely
+        not write at all)."""
+        self._hook(optimizers)
+        entries = _entries(ck, keep)
         specs = {where: _spec(t) for where, t in entries.items()}
-        chosen: dict[str, torch.Tensor] = {}
-        reused: set[str] = set()
-        missing = []
-        for where, spec in specs.items():
-            had = buffers.get(where)
-            free = spares.get(spec)
-            if had is not None and had[0] == spec:
-                chosen[where] = had[1]
-                reused.add(where)
-            elif free:
-                chosen[where] = free.pop()
-            else:
-                missing.append(where)
-        waited = False
-        if missing:  # the state changed shape (or nothing was allocated ahead): one copy at a time still
-            if len(reused) < len(buffers):  # the previous save may still write from the buffers dropped here
-                wait_for_buffers()
-                waited = True
-            buffers.clear()  # those no save took are freed before new ones are allocated (pinned ones: at close)
-            spares.clear()
-            chosen.update(zip(missing, self._allocate([specs[w] for w in missing], touch=False)))
-
-        defer = {t.data_ptr() for t in deferrable}
+        chosen, reused, waited = self._memory.take(specs, wait_for_buffers)
+        held = {t.data_ptr() for t in optimizer_tensors(optimizers)}
+        job = _Copy(path, self._pending, self._lock)
+        defer = {t.data_ptr() for t in deferrable} & held
         live_memory = defer | {t.data_ptr() for t in live}
-        job = _Copy(path)
         sources, self._sources = self._sources, {}
         streams_waited: set[torch.device] = set()
         for where, t in entries.items():
-            buffer = chosen[where]
             previous = sources.get(where)
             if not (where in reused and previous is not None and previous[0].data_ptr() == t.data_ptr()
-                    and previous[0].device == t.device and previous[1:] == (version_counter(t), _steps)):
+                    and previous[0].device == t.device and previous[1:] == (version_counter(t), self._steps)):
                 if where in reused and not waited:
                     wait_for_buffers()
                     waited = True
-                deferred = t.data_ptr() in defer
-                if specs[where][2]:  # from a GPU: enqueued on its side stream now, after the work queued so far
-                    stream = self._stream(t.device)
-                    if t.device not in streams_waited:
-                        stream.wait_stream(torch.cuda.current_stream(t.device))
-                        streams_waited.add(t.device)
-                    order: CopyOrder = CudaOrder(stream)
-                    with torch.cuda.stream(stream):
-                        buffer.copy_(t.detach(), non_blocking=True)
-                    order.record()
-                    if not deferred:  # a forward pass may change it: the training stream waits for its copy
-                        order.wait_on_device()
-                    job.items.append(_Item(where, t, buffer, order, False, deferred, version_counter(t)))
-                elif deferred:
-                    job.items.append(_Item(where, t, buffer, HostOrder(), True, True, version_counter(t)))
-                else:
-                    buffer.copy_(t.detach())
+                item = self._copy(where, t, chosen[where], t.data_ptr() in defer, specs[where][2], streams_waited)
+                if item is not None:
+                    job.items.append(item)
             # else: unchanged since the last save copied it, with no optimizer step since: reuse that copy
             if t.data_ptr() in live_memory:
-                self._sources[where] = (t, version_counter(t), _steps)
-            self._buffers[where] = (specs[where], buffer)
-
-        def put(where: str, t: Any) -> Any:
-            if isinstance(t, StoredAs):
-                return StoredAs(put(where, t.tensor), t.dtype)
-            return chosen[where] if isinstance(t, torch.Tensor) else t
-
-        staged = CheckpointContents(
-            trainable={n: put(n, t) for n, t in ck.trainable.items()},
-            frozen={n: t if n in keep else put(n, t) for n, t in ck.frozen.items()},
-            optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
-                                                {p: {m: put(f"{g}/{p}/{m}", t) for m, t in ms.items()}
-                                                 for p, ms in grp.states.items()})
-                              for g, grp in ck.optimizer_groups.items()},
-            properties=dict(ck.properties), nominal=ck.nominal)
-        deferred_items = [item for item in job.items if item.deferred]
-        if deferred_items:
-            with _lock:
-                for item in deferred_items:
-                    _pending.setdefault(item.source.data_ptr(), []).append(item)
+                self._sources[where] = (t, version_counter(t), self._steps)
+        with self._lock:
+            for item in job.items:
+                if item.deferred:
+                    self._pending.setdefault(item.source.data_ptr(), []).append(item)
         if not job.items:
             job.done.set()
-        return staged, job
+        return _staged(ck, chosen, keep), job
+
+    def _copy(self, where: str, t: torch.Tensor, buffer: torch.Tensor, deferred: bool, from_gpu: bool,
+              streams_waited: set[torch.device]) -> _Item | None:
+        """Copy ``t`` into ``buffer`` now, or say how its copy completes: enqueued on its GPU's side stream (after
+        the work queued so far), or left to the writer thread (a deferred CPU tensor)."""
+        if from_gpu:
+            stream = self._stream(t.device)
+            if t.device not in streams_waited:
+                stream.wait_stream(torch.cuda.current_stream(t.device))
+                streams_waited.add(t.device)
+            order: CopyOrder = CudaOrder(stream)
+            with torch.cuda.stream(stream):
+                buffer.copy_(t.detach(), non_blocking=True)
+            order.record()
+            if not deferred:  # a forward pass may change it: the training stream waits for its copy
+                order.wait_on_device()
+            return _Item(where, t, buffer, order, False, deferred, version_counter(t))
+        if deferred:
+            return _Item(where, t, buffer, HostOrder(), True, True, version_counter(t))
+        buffer.copy_(t.detach())
+        return None
+
+    def _hook(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """A step pre-hook on each of ``optimizers`` not hooked yet (removed at :meth:`close`)."""
+        for optimizer in optimizers:
+            if not any(ref() is optimizer for ref, _ in self._hooked):
+                self._hooked.append((weakref.ref(optimizer), optimizer.register_step_pre_hook(self._before_step)))
+
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The step pre-hook: no optimizer changes a tensor while a copy of it is still being made.
+
+        A step given a closure (Lightning's automatic optimization: the closure runs forward and backward inside
+        ``step``) gets the closure wrapped, so the wait comes after the forward and backward pass, right before the
+        update; a step without one waits here (its forward and backward pass ran before the call).
+        """
+        self._steps += 1
+        if not self._pending:
+            return None
+        # torch passes the step's own arguments with the optimizer first: (optimizer, closure?) or closure=...
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if not callable(closure):
+            self._wait_for_copies(optimizer)
+            return None
+
+        def closure_then_wait(*a: Any, **k: Any) -> Any:
+            result = closure(*a, **k)
+            self._wait_for_copies(optimizer)
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
+
+    def _wait_for_copies(self, optimizer: torch.optim.Optimizer) -> None:
+        """Order ``optimizer``'s update after the pending copies of the tensors it holds (its parameters and state),
+        and of no other: a second optimizer's pending copy does not hold this one's step."""
+        if not self._pending:
+            return
+        held = optimizer_tensors([optimizer])
+        with self._lock:
+            items = [item for t in held for item in self._pending.get(t.data_ptr(), ())]
+        for item in items:
+            item.order.wait_on_device()
+        with self._lock:
+            for item in items:  # the versions before this update: the writer's in-place check must not count it
+                if item.released is None:
+                    item.released = version_counter(item.source)
+
+
+def _entries(ck: CheckpointContents, keep: Collection[str]) -> dict[str, torch.Tensor]:
+    """The tensors of ``ck`` to stage, by where they are (``group/param/state`` for optimizer state), but the frozen
+    ones of ``keep``; a narrow tensor (``StoredAs``) as it is."""
+    entries: dict[str, torch.Tensor] = {}
+
+    def collect(where: str, t: Any) -> None:
+        if isinstance(t, StoredAs):  # staged as it is (the narrow type), converted as it is written
+            collect(where, t.tensor)
+        elif isinstance(t, torch.Tensor):
+            entries[where] = t
+
+    for n, t in ck.trainable.items():
+        collect(n, t)
+    for n, t in ck.frozen.items():
+        if n not in keep:
+            collect(n, t)
+    for g, grp in ck.optimizer_groups.items():
+        for p, ms in grp.states.items():
+            for m, t in ms.items():
+                collect(f"{g}/{p}/{m}", t)
+    return entries
+
+
+def _staged(ck: CheckpointContents, chosen: dict[str, torch.Tensor], keep: Collection[str]) -> CheckpointContents:
+    """``ck`` with each staged tensor replaced by its buffer in ``chosen`` (the frozen ones of ``keep`` stay)."""
+
+    def put(where: str, t: Any) -> Any:
+        if isinstance(t, StoredAs):
+            return StoredAs(put(where, t.tensor), t.dtype)
+        return chosen[where] if isinstance(t, torch.Tensor) else t
+
+    return CheckpointContents(
+        trainable={n: put(n, t) for n, t in ck.trainable.items()},
+        frozen={n: t if n in keep else put(n, t) for n, t in ck.frozen.items()},
+        optimizer_groups={g: OptimizerGroup(grp.step, grp.initial_learning_rate,
+                                            {p: {m: put(f"{g}/{p}/{m}", t) for m, t in ms.items()}
+                                             for p, ms in grp.states.items()})
+                          for g, grp in ck.optimizer_groups.items()},
+        properties=dict(ck.properties), nominal=ck.nominal)
 
 
 def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """The tensors only ``optimizer.step`` changes: the parameters the optimizers hold, and their state."""
     optimizers = list(optimizers)
-    return [p for opt in optimizers for group in opt.param_groups for p in group["params"]] + _state_tensors(optimizers)
-
-
-def _state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
-    """The optimizers' state tensors (Adam's moments and step counts, ...)."""
-    return [v for opt in optimizers for state in opt.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
+    return [p for opt in optimizers for group in opt.param_groups for p in group["params"]] + state_tensors(optimizers)

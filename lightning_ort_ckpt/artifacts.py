@@ -42,8 +42,11 @@ import torch
 from .errors import CheckpointError
 from .export import default_names, hidden_native_output, torch_export
 from .format import load_checkpoint, save_checkpoint
-from ._reading import is_ort_checkpoint, read_any_checkpoint, serving
-from ._translation.lightning_dict import ModuleInfo, to_ort, trainable_set, with_aliases
+from ._module_loading import load_module
+from ._reading import is_ort_checkpoint, read_any_checkpoint
+from ._translation.lightning_dict import ModuleInfo, to_ort, trainable_set
+
+__all__ = ["ArtifactsError", "TrainingArtifacts", "make_training_artifacts"]
 
 ORT_MAX_IR_VERSION = 10  # onnxruntime-training 1.19.2
 # ops that draw random numbers (Dropout only with its training_mode input set: see _random_nodes)
@@ -102,7 +105,7 @@ def _make_training_artifacts(model: Any, checkpoint: str, directory: str | os.Pa
 
     checkpoint, directory = os.fspath(checkpoint), os.fspath(directory)
     state = read_any_checkpoint(checkpoint)
-    module = _load_module(model, checkpoint, state)
+    module = load_module(model, checkpoint, state, ArtifactsError)
     narrow = {n: p.dtype for n, p in module.named_parameters() if p.is_floating_point() and p.element_size() < 4}
     if narrow:
         name, dtype = next(iter(narrow.items()))
@@ -169,16 +172,6 @@ def _make_training_artifacts(model: Any, checkpoint: str, directory: str | os.Pa
                 os.unlink(path)
         raise
     return out
-
-
-def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn.Module:
-    if isinstance(model, type):
-        with serving(checkpoint, state):  # what was read: the file is not read again
-            loaded: torch.nn.Module = model.load_from_checkpoint(  # type: ignore[attr-defined]  # a LightningModule class
-                checkpoint, map_location="cpu")
-            return loaded
-    model.load_state_dict(with_aliases(state["state_dict"], model))
-    return model
 
 
 def _expose_gradient_outputs(graph: Any) -> None:

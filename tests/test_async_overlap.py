@@ -80,7 +80,7 @@ def blocked_in_staging_wait(thread: threading.Thread) -> bool:
     """Whether ``thread`` is inside the optimizer step's wait for a staging copy (read from its live stack)."""
     frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
     while frame is not None:
-        if frame.f_code is staging._wait_for_copies.__code__:
+        if frame.f_code is staging.Stager._wait_for_copies.__code__:
             return True
         frame = frame.f_back
     return False
@@ -190,7 +190,7 @@ def test_a_step_waits_only_for_its_own_optimizers_copies() -> None:
     for i, (m, o, stager) in enumerate(zip(models, opts, stagers)):
         ck = CheckpointContents(trainable={"w": m.weight.detach()},
                                 frozen={"exp_avg": o.state[m.weight]["exp_avg"]})
-        jobs.append(stager.stage(ck, f"{i}.ckpt", staging.optimizer_tensors([o]), [], lambda: None))
+        jobs.append(stager.stage(ck, f"{i}.ckpt", staging.optimizer_tensors([o]), [], lambda: None, optimizers=[o]))
     try:
         jobs[1][1]()  # the second save's copy is made; the first one's is not
         steps = threading.Thread(target=opts[1].step)
@@ -226,12 +226,12 @@ class Counts(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         stager = trainer.strategy.checkpoint_io._executors[True]._stager  # the asynchronous saves' stager
         if trainer.global_step == SAVE_STEP - 1:  # before the first save (after the first optimizer step)
-            stager._join_preparing()
-            self.spares = [t for ts in stager._spares.values() for t in ts]
+            stager._memory.join()
+            self.spares = [t for ts in stager._memory.spares.values() for t in ts]
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
         stager = trainer.strategy.checkpoint_io._executors[True]._stager  # the asynchronous saves' stager
-        self.staged = {name: t.data_ptr() for name, (_, t) in stager._buffers.items()}
+        self.staged = {name: t.data_ptr() for name, (_, t) in stager._memory.buffers.items()}
 
 
 def test_staging_memory_is_allocated_ahead_and_freed_at_teardown(tmp_path: Path) -> None:
@@ -252,7 +252,7 @@ def test_staging_memory_is_allocated_ahead_and_freed_at_teardown(tmp_path: Path)
     assert len(state) == 12  # 4 parameters, 2 AdamW moments each: the save copied them into the memory made ahead
     assert {counts.staged[n] for n in state} <= {t.data_ptr() for t in counts.spares}
     stager = io._executor._stager
-    assert stager._buffers == {} and stager._spares == {} and stager._prepare_hook is None
+    assert stager._memory.buffers == {} and stager._memory.spares == {} and stager._memory._hooks == []
     assert not stager._hooked
     assert stored(tmp_path / f"step={SAVE_STEP}.ckpt").keys() >= {n for n, _ in module.named_parameters()}
 
@@ -264,7 +264,7 @@ def test_a_synchronous_plugin_allocates_nothing_ahead(tmp_path: Path) -> None:
                          accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(Net(), data())
-    assert counts.spares == [] and io._executors[True]._stager._prepare_hook is None
+    assert counts.spares == [] and io._executors[True]._stager._memory._hooks == []
 
 
 class _StandInStream:
@@ -315,7 +315,8 @@ def test_cuda_path_order_of_operations_with_cpu_stand_ins(monkeypatch: pytest.Mo
     ck = CheckpointContents(trainable={"a": a.weight.detach(), "b": b.weight.detach()}, frozen={"running": running})
     stager = staging.Stager()
     before = a.weight.detach().clone()
-    staged, job = stager.stage(ck, "x.ckpt", staging.optimizer_tensors([opt_a, opt_b]), [running], lambda: None)
+    staged, job = stager.stage(ck, "x.ckpt", staging.optimizer_tensors([opt_a, opt_b]), [running], lambda: None,
+                                optimizers=[opt_a, opt_b])
     assert log == [("stream waits for the training stream", None), ("record", "a"), ("record", "b"),
                    ("record", "running"), ("training stream waits", "running")]
     del log[:]

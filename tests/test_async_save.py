@@ -181,7 +181,8 @@ def test_a_step_waits_for_the_copy_after_its_closure_and_before_its_update() -> 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     before = model.weight.detach().clone()
     staged, copy_later = staging.Stager().stage(CheckpointContents(trainable={"w": model.weight.detach()}), "x.ckpt",
-                                                staging.optimizer_tensors([optimizer]), [], lambda: None)
+                                                staging.optimizer_tensors([optimizer]), [], lambda: None,
+                                                optimizers=[optimizer])
     seen_pending = []
 
     def closure() -> torch.Tensor:

@@ -27,7 +27,7 @@ from ort_reference import assert_same_checkpoint
 from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
 from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt.format._atomic import _saving, _sweep
+from lightning_ort_ckpt.format._atomic import _cleanup, _commit
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -94,7 +94,7 @@ def leftovers(directory: Path, pid: int | None = None) -> list[str]:
 
 def assert_dead_process_swept(directory: Path, pid: int) -> None:
     """After the next save, nothing is left over; except, on the portable I/O path (no pid probing, as on Windows),
-    the dead process's temporaries, which wait for ``_sweep.STALE_AGE_S`` since nothing tells that it is dead."""
+    the dead process's temporaries, which wait for ``_cleanup.STALE_AGE_S`` since nothing tells that it is dead."""
     left = leftovers(directory)
     if portable_io():
         assert left == leftovers(directory, pid), os.listdir(directory)
@@ -109,7 +109,7 @@ sys.path.insert(0, {TESTS_DIR!r})
 from test_crash_safety import big_checkpoint, small_checkpoint
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt.format._atomic import _names, _saving
+from lightning_ort_ckpt.format._atomic import _commit, _names
 path, mode = sys.argv[1], sys.argv[2]
 extra = sys.argv[3:]
 
@@ -354,7 +354,7 @@ def test_too_little_free_space_writes_nothing(tmp_path, monkeypatch, mode):
         calls.append(p)
         return usage(10 << 30, (10 << 30) - 100, 100)  # the small checkpoint needs about 2 KB
 
-    monkeypatch.setattr(_saving.shutil, "disk_usage", little_space)
+    monkeypatch.setattr(_commit.shutil, "disk_usage", little_space)
     with pytest.raises(CheckpointSaveError) as info:
         save_checkpoint(small_checkpoint(2), path, external_data=mode)
     msg = str(info.value)
@@ -409,7 +409,7 @@ def test_stale_sweep_deletes_only_what_is_certainly_dead(tmp_path, monkeypatch, 
     atomic.wait_for_cleanup()
     assert sorted(n for n, (now, _) in names.items() if not (tmp_path / n).exists()) == \
         sorted(n for n, (now, _) in names.items() if now)
-    monkeypatch.setattr(_sweep, "STALE_AGE_S", -1.0)  # everything is "old" now
+    monkeypatch.setattr(_cleanup, "STALE_AGE_S", -1.0)  # everything is "old" now
     save_checkpoint(small_checkpoint(2), path, external_data="params")
     atomic.wait_for_cleanup()
     assert sorted(n for n in names if not (tmp_path / n).exists()) == \
@@ -587,11 +587,11 @@ if extra[0] == "enospc":
         f.write(b"\\0" * ((st.f_bavail - need) * page))
     free_before, names_before = os.statvfs(mnt).f_bavail, sorted(os.listdir(mnt))
     journal_writes = []
-    real = _saving._write_durably
+    real = _commit._write_durably
     def recorded(*args, **kwargs):
         journal_writes.append(args[0])
         return real(*args, **kwargs)
-    _saving._write_durably = recorded
+    _commit._write_durably = recorded
     out["save"] = outcome(lambda: save_checkpoint(small_checkpoint(2), path, external_data="params"))
     atomic.wait_for_cleanup()
     out["journal_writes"] = journal_writes

@@ -219,9 +219,9 @@ def test_async_save_with_our_writer_stages_into_reused_memory(tmp_path: Path) ->
         t.add_(1)  # training goes on at once: the save holds its own copy
     saved["io"].write(b"more")
     future.result()
-    first = {k: t.data_ptr() for k, t in writer._stager._buffers.items()}
+    first = {k: t.data_ptr() for k, (_, t) in writer._stager._memory.buffers.items()}
     dcp.async_save(saved, storage_writer=writer, checkpoint_id=tmp_path / "b").result()
-    assert {k: t.data_ptr() for k, t in writer._stager._buffers.items()} == first  # the same memory
+    assert {k: t.data_ptr() for k, (_, t) in writer._stager._memory.buffers.items()} == first  # the same memory
     writer.close()
     for name, want in (("a", expected), ("b", saved)):
         state = _rich_state()

@@ -302,8 +302,8 @@ def test_shard_staging_is_allocated_ahead_reused_and_a_copy() -> None:
     try:
         model(torch.randn(2, 8)).sum().backward()
         opt.step()  # Adam's state exists now: the memory is allocated (and touched) on a thread of its own
-        stager._join()
-        ahead = {t.data_ptr() for spares in stager._spares.values() for t in spares}
+        stager._memory.join()
+        ahead = {t.data_ptr() for spares in stager._memory.spares.values() for t in spares}
         assert len(ahead) == 2 + 2 * 3  # weight, bias, and each one's step, exp_avg, exp_avg_sq
         flat = {"w": model.weight, "m": opt.state[model.weight]["exp_avg"], "extra": torch.arange(3)}
         first = stager.stage(flat)

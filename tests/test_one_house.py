@@ -83,22 +83,47 @@ def _our_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("ort-ckpt") and t.is_alive()]  # save, unlink
 
 
+class _GlobalHooks(pl.Callback):
+    """After each step: torch's global optimizer step pre- and post-hooks added since the fit began, and the hooks on
+    the fit's own optimizers (per-optimizer: ``register_step_pre_hook``/``register_step_post_hook``)."""
+
+    def __init__(self) -> None:
+        from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+        self.registries = _global_optimizer_pre_hooks, _global_optimizer_post_hooks
+        self.before = [dict(r) for r in self.registries]
+        self.added: list[tuple[int, int]] = []  # per step: global pre-hooks added, global post-hooks added
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.own = 0  # the most hooks the fit's optimizers held at once
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.added.append(tuple(len(set(r) - set(b)) for r, b in zip(self.registries, self.before)))  # type: ignore
+        self.optimizers = list(trainer.optimizers)
+        self.own = max(self.own, sum(len(o._optimizer_step_pre_hooks) + len(o._optimizer_step_post_hooks)
+                                     for o in self.optimizers))
+
+
 def test_teardown_leaves_no_thread_hook_or_atexit_registration(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.optim.optimizer import _global_optimizer_pre_hooks  # torch's registry of global step hooks
-
+    """An asynchronous save waits through hooks on the fit's own optimizers, never a global pre-hook; torch's global
+    post-hook that waits for the first step (to allocate staging memory ahead) is gone from the first save on; at
+    teardown nothing is left: no hook (global or on the optimizers), thread or atexit registration."""
     from lightning_ort_ckpt import _async_saver
 
     registered: list[Any] = []  # atexit has no way to list its callbacks: count ours as they come and go
     monkeypatch.setattr(_async_saver.atexit, "register", lambda f: registered.append(f))
     monkeypatch.setattr(_async_saver.atexit, "unregister", lambda f: registered.remove(f))
-    hooks = dict(_global_optimizer_pre_hooks)
+    hooks = _GlobalHooks()
     callback = OrtCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, async_save=True)
-    _trainer(callbacks=[callback]).fit(_Tiny())
+    _trainer(callbacks=[hooks, callback]).fit(_Tiny())
     assert len(list(tmp_path.glob("*.ckpt"))) == 4
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # every replaced file deleted already
     assert _our_threads() == []
-    assert dict(_global_optimizer_pre_hooks) == hooks
+    assert [pre for pre, _ in hooks.added] == [0, 0, 0, 0]  # no global pre-hook, ever
+    assert [post for _, post in hooks.added][1:] == [0, 0, 0]  # the first save removed the global post-hook
+    assert hooks.own >= 1  # the steps waited through a pre-hook on the fit's optimizer
+    assert [dict(r) for r in hooks.registries] == hooks.before
+    assert [(len(o._optimizer_step_pre_hooks), len(o._optimizer_step_post_hooks)) for o in hooks.optimizers] == [(0, 0)]
     assert registered == []
 
 

@@ -68,20 +68,20 @@ class FirstSave(pl.Callback):
         if trainer.global_step != SAVE_STEP - 1:
             return
         stager = io._executors[True]._stager
-        stager._join_preparing()
+        stager._memory.join()
         self.ready_before = stager.ready() and io._executors[True]._queue is not None  # the writer thread too
-        self.ahead = {t.data_ptr() for ts in stager._spares.values() for t in ts}
-        allocate = stager._allocate
+        self.ahead = {t.data_ptr() for ts in stager._memory.spares.values() for t in ts}
+        allocate = stager._memory.allocate
 
         def counted(specs: list[Any], touch: bool) -> list[torch.Tensor]:
             self.allocated.append(len(specs))
             return allocate(specs, touch)
 
-        stager._allocate = counted
+        stager._memory.allocate = counted
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
         stager = trainer.strategy.checkpoint_io._executors[True]._stager
-        self.staged = {name: t.data_ptr() for name, (_, t) in stager._buffers.items()}
+        self.staged = {name: t.data_ptr() for name, (_, t) in stager._memory.buffers.items()}
 
 
 def fit_with(tmp_path: Path, io: OrtCheckpointIO, record: FirstSave, steps: int = SAVE_STEP) -> Net:
@@ -122,7 +122,7 @@ def _contents(**tensors: torch.Tensor) -> CheckpointContents:
 def _an_unused_spare(stager: Any, spec: Callable[[torch.Tensor], Any]) -> weakref.ref[torch.Tensor]:
     """Give ``stager`` one buffer allocated ahead for a shape no save here has; only a weak reference stays."""
     unused = torch.zeros(1000)
-    stager._spares = {spec(unused): [unused]}
+    stager._memory.spares = {spec(unused): [unused]}
     return weakref.ref(unused)
 
 
@@ -134,20 +134,20 @@ def test_a_save_of_other_shapes_frees_what_it_does_not_take_before_allocating() 
     gone = _an_unused_spare(stager, _staging._spec)
     seen: list[bool] = []
     waits: list[str] = []
-    allocate = stager._allocate
+    allocate = stager._memory.allocate
 
     def allocating(specs: list[Any], touch: bool) -> list[torch.Tensor]:
         gc.collect()
         seen.append(gone() is None)
         return allocate(specs, touch)
 
-    stager._allocate = allocating  # type: ignore[method-assign]
+    stager._memory.allocate = allocating
     try:
         staged, job = stager.stage(_contents(a=torch.ones(7)), "first", [], [], lambda: waits.append("first"))
         job()
         assert seen == [True] and waits == []  # nothing to wait for: no earlier save
         assert torch.equal(torch.as_tensor(staged.trainable["a"]), torch.ones(7))
-        old = weakref.ref(stager._buffers["a"][1])
+        old = weakref.ref(stager._memory.buffers["a"][1])
         del staged
         staged, job = stager.stage(_contents(b=torch.full((5,), 2.0)), "second", [], [],
                                    lambda: waits.append("second"))
@@ -173,15 +173,15 @@ def test_shard_staging_is_allocated_ahead_only_while_saves_are_asynchronous() ->
     def step() -> None:
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
-        stager._join()
+        stager._memory.join()
 
     try:
         step()
-        assert not stager.ready() and stager._spares == {}  # synchronous: nothing allocated
+        assert not stager.ready() and stager._memory.spares == {}  # synchronous: nothing allocated
         asynchronous = True
         step()
         assert stager.ready()
-        ahead = [t for ts in stager._spares.values() for t in ts]
+        ahead = [t for ts in stager._memory.spares.values() for t in ts]
         assert len(ahead) == 4 + 3 + 4 * 3  # weight, bias, BatchNorm's 2 + 2 parameters, 3 buffers; Adam's 3 each
         flat = {f"model.{k}": v for k, v in model.state_dict().items()}
         flat.update({f"optim.{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items()})
@@ -219,9 +219,9 @@ def test_dcp_async_save_copies_into_memory_our_writer_allocated_ahead(tmp_path: 
     state = {"model": {"w": torch.randn(32, 8), "b": torch.randn(8)}, "step": torch.tensor(3), "epoch": 1}
     writer = OrtStorageWriter(tmp_path / "a")
     writer.allocate_staging(state)
-    writer._stager._join()
+    writer._stager._memory.join()
     assert writer._stager.ready()
-    ahead = {k: t.data_ptr() for k, t in writer._stager._buffers.items()}
+    ahead = {k: t.data_ptr() for k, (_, t) in writer._stager._memory.buffers.items()}
     assert len(ahead) == 3
     allocations: list[Any] = []
     new = _dcp_staging._new
@@ -231,9 +231,41 @@ def test_dcp_async_save_copies_into_memory_our_writer_allocated_ahead(tmp_path: 
     state["model"]["w"].add_(1)  # training goes on: the save holds the values of its call
     future.result()
     assert allocations == []
-    assert {k: t.data_ptr() for k, t in writer._stager._buffers.items()} == ahead
+    assert {k: t.data_ptr() for k, (_, t) in writer._stager._memory.buffers.items()} == ahead
     writer.close()
     loaded = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()}, "step": torch.tensor(0)}
     dcp.load(loaded, storage_reader=OrtStorageReader(tmp_path / "a"))
     assert all(torch.equal(loaded["model"][k], v) for k, v in expected["model"].items())
     assert torch.equal(loaded["step"], expected["step"])
+
+
+@pytest.mark.parametrize("layout", ["module", "shards"])
+def test_the_step_hook_that_starts_the_allocation_never_removes_itself(layout: str) -> None:
+    """torch iterates over its post-hooks while it calls them: the hook that starts the allocation must not remove
+    itself from under that loop (a hook registered after it would make the step raise). It does nothing once it
+    has started; the first save removes it, and a hook registered after it ran at every step."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, register_optimizer_step_post_hook
+
+    model = nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    stager = _staging.Stager() if layout == "module" else _dcp_staging.ShardStager()
+    before = set(_global_optimizer_post_hooks)
+    stager.prepare(lambda: (list(model.parameters()), [opt]))
+    later: list[int] = []
+    other = register_optimizer_step_post_hook(lambda *_: later.append(1))
+    try:
+        for _ in range(2):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()  # the first step starts the allocation; the second finds the hook idle
+        stager._memory.join()
+        assert later == [1, 1] and stager.ready()
+        assert len(set(_global_optimizer_post_hooks) - before) == 2  # ours (idle) and the later one
+        if layout == "module":
+            stager.stage(_contents(w=model.weight.detach()), "x", [], [], lambda: None)[1]()
+        else:
+            stager.stage({"w": model.weight.detach()})
+        assert set(_global_optimizer_post_hooks) - before == {other.id}  # the save removed ours
+    finally:
+        other.remove()
+        stager.close()
+    assert set(_global_optimizer_post_hooks) == before

@@ -62,13 +62,17 @@ def test_a_new_backend_is_a_new_class_registered_not_an_edit(tmp_path: Path, mon
     assert np.array_equal(load_checkpoint(mine).trainable["w"], small().trainable["w"])
 
 
-def test_the_writer_takes_a_store_and_storage_options_are_deprecated(tmp_path: Path) -> None:
+def test_the_writer_takes_a_store_and_storage_options_are_deprecated(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_ort_ckpt.format import _deprecated
+
+    monkeypatch.setattr(_deprecated, "_warned", set())  # it warns once per process: this test sees the first time
     url = f"memory://store-interface-{tmp_path.name}/a.ckpt"
     save_checkpoint(small(), url, store=store_for(url, {}))
     store = store_for(url)
     with store.fetched(url) as local:
         assert np.array_equal(load_checkpoint(local).trainable["w"], small().trainable["w"])
-    with pytest.warns(DeprecationWarning, match="store=store_for"):
+    with pytest.warns(FutureWarning, match=r"store=lightning_ort_ckpt\.format\.store_for\(path, storage_options\)"):
         save_checkpoint(small(), url, storage_options={})
     with pytest.raises(TypeError, match="not both"):
         save_checkpoint(small(), url, store=store, storage_options={})

@@ -16,12 +16,13 @@ REMOVED_IN = "0.4"
 _warned: set[str] = set()
 
 
-def warn_once(old: str, new: str, stacklevel: int = 3) -> None:
-    """A ``FutureWarning`` the first time ``old`` is used in this process: it goes in :data:`REMOVED_IN`."""
+def warn_once(old: str, new: str, stacklevel: int = 3, *, since: str = "0.3", removed_in: str = REMOVED_IN) -> None:
+    """A ``FutureWarning`` the first time ``old`` is used in this process: deprecated in ``since``, it goes in
+    ``removed_in`` (the next minor release)."""
     if old in _warned:
         return
     _warned.add(old)
-    warnings.warn(f"{old} is deprecated since 0.3 and will be removed in {REMOVED_IN}: {new}", FutureWarning,
+    warnings.warn(f"{old} is deprecated since {since} and will be removed in {removed_in}: {new}", FutureWarning,
                   stacklevel=stacklevel)
 
 

@@ -15,6 +15,7 @@ from ..errors import CheckpointError
 from . import _atomic
 from ._atomic import SaveFiles
 from ._diskio import check_regular, open_regular
+from ._naming import data_path
 from ._shared_data import Identity
 from ._urls import is_remote
 
@@ -115,7 +116,7 @@ class LocalStore:
         return os.path.join(os.path.dirname(path), os.readlink(path))
 
     def size(self, path: str) -> int:
-        files = [path, _atomic.data_path(path)] if not os.path.isdir(path) else self._listed(path, True, False)
+        files = [path, data_path(path)] if not os.path.isdir(path) else self._listed(path, True, False)
         return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
 
     def contains(self, directory: str, path: str) -> bool:

@@ -21,7 +21,6 @@ import os
 import queue
 import struct
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeGuard
@@ -35,6 +34,7 @@ from ..errors import CheckpointSaveError
 from ._atomic import SaveFiles
 from . import _checksums
 from ._contents import CheckpointContents, Deferred, OptimizerGroup, PropertyValue, StoredAs, Tensor
+from ._deprecated import warn_once
 from ._diskio import BEHIND_BYTES, WriteBehind
 from ._dtypes import DataType, from_numpy, from_torch
 from ._flatbuffers import Blob, LayoutBuilder, LayoutTooLarge, Piece
@@ -59,7 +59,7 @@ def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str]
     ``store`` (``_store``; by default the store of ``path`` without options: the local disk for a path, fsspec's
     defaults for a URL such as ``s3://bucket/run/last.ckpt``; for credentials pass
     ``store=store_for(url, storage_options)``): plan every byte, stream the tensors into the store's new files, commit.
-    ``storage_options`` is deprecated (give ``store``).
+    ``storage_options`` is deprecated (a ``FutureWarning``; give ``store``).
 
     ``external_data``: ``"auto"`` keeps everything in one file unless it would pass the FlatBuffers 2 GiB limit, then
     moves parameters (and, if still needed, optimizer momentums) to ``<path>.data``; ``"never"`` refuses instead;
@@ -80,8 +80,9 @@ def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str]
     if storage_options is not None:
         if store is not None:
             raise TypeError("save_checkpoint takes a store or storage_options, not both")
-        warnings.warn("save_checkpoint(storage_options=...) is deprecated: pass store=store_for(path, "
-                      "storage_options) (lightning_ort_ckpt.format._store)", DeprecationWarning, stacklevel=2)
+        warn_once("lightning_ort_ckpt.format.save_checkpoint(storage_options=...)",
+                  "pass store=lightning_ort_ckpt.format.store_for(path, storage_options)", since="0.4",
+                  removed_in="0.5")
     if store is None:
         store = store_for(path, storage_options)
     if shared is not None and (external_data != "auto" or not store.links):

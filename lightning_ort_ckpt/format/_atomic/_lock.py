@@ -1,16 +1,17 @@
 """The writers' lock of a directory: two processes saving, removing or linking in one directory never undo each
-other's renames. Held only for the renames of a commit, a removal or a link (milliseconds)."""
+other's renames. Held only for the renames of a commit, a removal or a link (milliseconds), whose holder makes them
+durable with an fsync of the directory (:meth:`WriterLock.fsync`, :func:`fsync_dir`)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import time
 
 from ...errors import CheckpointSaveError
 from .._platform import portable_io
-from ._durable import discard, fsync_dir, fsync_fd
 from ._names import BOOT, HOST, dead
 
 try:
@@ -52,7 +53,7 @@ class WriterLock:
             os.close(self._dir_fd)  # closing releases the flock
             self._dir_fd = None
         if self._lock_file is not None:
-            discard(self._lock_file)
+            _drop(self._lock_file)
             self._lock_file = None
 
     def fsync(self) -> None:
@@ -71,7 +72,7 @@ class WriterLock:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 if _lock_file_is_stale(name):
-                    discard(name)
+                    _drop(name)
                     continue
                 if time.monotonic() > deadline:
                     raise CheckpointSaveError(f"another process has held the lock file {name} for over "
@@ -85,7 +86,7 @@ class WriterLock:
             try:
                 os.write(fd, owner)
             except OSError as e:
-                discard(name)
+                _drop(name)
                 raise CheckpointSaveError(f"cannot write the writers' lock file ({e.strerror or e}); nothing was "
                                           "changed", name) from None
             finally:
@@ -103,3 +104,30 @@ def _lock_file_is_stale(name: str) -> bool:
         return False  # gone already: try again
     m = re.fullmatch(r"(?P<host>[0-9a-f]{8})-(?P<boot>[0-9a-f]{8})\.(?P<pid>\d+)", owner)
     return age > LOCK_STALE_S or (m is not None and dead(m) is True)
+
+
+def _drop(name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make renames in ``directory`` durable (a no-op where a directory cannot be opened, as on Windows)."""
+    flags = os.O_RDONLY | (0 if portable_io() else getattr(os, "O_DIRECTORY", 0))
+    try:
+        fd = os.open(directory, flags)
+    except OSError:
+        return
+    try:
+        fsync_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_fd(fd: int) -> None:
+    """``os.fsync`` of a directory's descriptor, where the file system can."""
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems cannot fsync a directory; the rename is as durable as they allow
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EACCES):
+            raise

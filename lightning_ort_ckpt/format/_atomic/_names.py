@@ -15,18 +15,10 @@ import secrets
 import socket
 
 from ...errors import CheckpointSaveError
+from .._naming import DATA_SUFFIX
 from .._platform import portable_io
 
-DATA_SUFFIX = ".data"
-FOLDER_COMMIT_NAME = "checkpoint.ort-meta"
-"""The file whose presence makes a folder a checkpoint (a sharded one: ``_dcp_folder.METADATA_NAME``); a store that
-deletes a folder object by object deletes it first."""
 JOURNAL_SUFFIX = ".commit"
-
-
-def data_path(path: str) -> str:
-    """ORT's external data file: the checkpoint path string plus ``.data``."""
-    return path + DATA_SUFFIX
 
 
 def _short_hash(text: str) -> str:

@@ -9,8 +9,8 @@ import stat
 import time
 
 from ...errors import CheckpointError
-from ._journal import NONBLOCK, read_journal
-from ._names import data_path
+from .._naming import data_path
+from ._commit import NONBLOCK, read_journal
 
 _OPEN_ATTEMPTS = 100  # a reader retries this often (with growing sleeps, ~3 s in all) while saves race it
 

@@ -1,0 +1,163 @@
+"""What is deleted later, away from the saves: replaced and removed files (renamed away as ``.<name>.<token>.old``:
+freeing gigabytes can take seconds on some disks) are unlinked in order by one thread (:class:`Unlinker`), and what
+dead saves left in a directory is swept (:func:`sweep_stale`): temporaries of interrupted saves, and replaced or
+removed files a process was killed before unlinking. Only this host's leftovers of a dead process or an earlier boot
+are certain; others' (and names of older versions) go only once older than :data:`STALE_AGE_S`, so a shared file
+system never loses another machine's save in progress. A process lists a directory once (its first save there); later
+saves look again only at the leftovers that had to wait."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import shutil
+import threading
+import time
+
+from ._names import LEFTOVER, OLD_LEFTOVER, dead
+
+
+class Unlinker:
+    """One daemon thread that deletes files in the order they were queued, running only while files are queued: it
+    starts with the first, ends when the queue is empty, and is registered with ``atexit`` (to delete what is left
+    at exit) only meanwhile, so importing the package starts and registers nothing. A forked child starts with a
+    queue of its own (:meth:`_this_process`): no at-fork handler is registered for it."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._queue: queue.Queue[str] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _this_process(self) -> None:
+        """In a forked child, a fresh queue: the parent's thread does not run here, and its locks may be held by
+        threads the child does not have."""
+        if self._pid != os.getpid():
+            self._reset()
+
+    def put(self, path: str) -> None:
+        self._this_process()
+        with self._lock:
+            self._queue.put(path)
+            if self._thread is None:
+                atexit.register(self.drain)
+                self._thread = threading.Thread(target=self._run, name="ort-ckpt-unlink", daemon=True)
+                self._thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until every queued file is deleted and the thread has ended (it ends as the queue empties); False
+        when ``timeout`` seconds passed first."""
+        self._this_process()
+        done = self._queue.all_tasks_done
+        with done:
+            if not done.wait_for(lambda: not self._queue.unfinished_tasks, timeout):
+                return False
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def drain(self) -> None:
+        """Delete what is still queued on the calling thread too, and wait for the one being deleted and for the
+        thread to end (no thread of ours runs while the interpreter finalizes)."""
+        self._this_process()
+        while True:
+            try:
+                path = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._unlink(path)
+        self.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                try:
+                    path = self._queue.get_nowait()
+                except queue.Empty:  # nothing left: the thread and its atexit registration end
+                    self._thread = None
+                    atexit.unregister(self.drain)
+                    return
+            self._unlink(path)
+
+    def _unlink(self, path: str) -> None:
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path) and not os.path.islink(path):  # a removed sharded checkpoint: all of it
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        self._queue.task_done()
+
+
+UNLINKER = Unlinker()
+
+
+def drain_deletions(timeout: float | None = None) -> bool:
+    """Wait until the files saves and removals replaced or deleted are gone (they are unlinked on a background
+    thread), so that no hidden ``.old`` file is left in the folder when training ends; False when ``timeout``
+    seconds passed first."""
+    return UNLINKER.join(timeout)
+
+
+def wait_for_cleanup() -> None:
+    """:func:`drain_deletions` without a time limit (the tests and benchmarks use this)."""
+    drain_deletions()
+
+
+STALE_AGE_S = 7 * 24 * 3600  # leftovers of other hosts, or named as older versions did, go only after this long
+
+_Sweeps = tuple[threading.Lock, dict[str, set[str]]]
+_SWEEPS: dict[int, _Sweeps] = {}  # by process: a lock, and each directory it listed -> the leftovers that had to wait
+
+
+def _sweeps() -> _Sweeps:
+    """This process's lock and listings. A forked child makes its own (its parent's lock may be held by a thread
+    the child does not have), so no at-fork handler is registered, at import or later."""
+    pid = os.getpid()
+    found = _SWEEPS.get(pid)
+    return found if found is not None else _SWEEPS.setdefault(pid, (threading.Lock(), {}))
+
+
+def sweep_stale(directory: str, *, relist: bool = False) -> None:
+    """Queue for deletion what dead saves left in ``directory``.
+
+    The directory is listed once per process (or with ``relist``): a directory of many files costs one listing per
+    run, not one per save. Later calls look again only at the leftovers that listing found and had to leave (a live
+    writer's, another host's, recent ones of older versions)."""
+    now = time.time()
+    lock, waiting = _sweeps()
+    with lock:
+        names = None if relist else waiting.get(directory)
+        if names is None:
+            with os.scandir(directory) as entries:
+                names = {e.name for e in entries if LEFTOVER.match(e.name) or OLD_LEFTOVER.match(e.name)}
+        waiting[directory] = {name for name in names if not _swept(os.path.join(directory, name), now)}
+
+
+def _swept(path: str, now: float) -> bool:
+    """Queue the leftover ``path`` for deletion if its save is certainly dead; True when it is queued or gone."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return True
+    m = LEFTOVER.match(os.path.basename(path))
+    gone = dead(m) if m is not None else None
+    if gone is None:  # we cannot tell: only by age
+        gone = now - max(st.st_mtime, st.st_ctime) > STALE_AGE_S
+    if gone:
+        UNLINKER.put(path)
+    return gone
+
+
+def forget_listing(directory: str) -> None:
+    """Have the next save list ``directory`` again (a writer died there during this run)."""
+    lock, waiting = _sweeps()
+    with lock:
+        waiting.pop(directory, None)
