@@ -31,11 +31,12 @@ import torch
 
 from . import _lightning_adapter, _rng, _safetensors
 from .errors import CheckpointError, CorruptCheckpointError
-from ._reading import is_ort_checkpoint, read_weights, serving
+from ._module_loading import init_params, load_module, unsaved_init_args
+from ._reading import is_ort_checkpoint, read_weights
 from .format import CheckpointReader, TensorInfo, _atomic, open_checkpoint
 from .format._store import StorageOptions, store_for
 from ._translation import MANIFEST
-from ._translation.lightning_dict import EXTRA_PREFIX, aliases_of, with_aliases
+from ._translation.lightning_dict import EXTRA_PREFIX, aliases_of
 
 __all__ = ["ExportError", "ExportReport", "SafetensorsReport", "check_export_config", "export_onnx",
            "export_safetensors", "load_module_class", "runtime"]
@@ -100,7 +101,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     checkpoint, output = os.fspath(checkpoint), os.fspath(output)
     with single_file(checkpoint) as source:  # a sharded directory: consolidated into a temporary file first
         state = read_weights(source)
-        module = _load_module(model, source, state)
+        module = load_module(model, source, state, ExportError)
         monitor, score = _monitored_score(state)
         global_step = state.get("global_step")
         hparams, hparams_name = dict(state.get("hyper_parameters") or {}), state.get("hparams_name")
@@ -258,8 +259,8 @@ def check_export_config(module: Any, tolerance: Any, *, trial_export: bool = Tru
     cls = type(module)
     hparams = dict(getattr(module, "hparams", {}))
     hparams_name = _lightning_adapter.hparams_name(module)
-    unsaved = _unsaved_init_args(cls, hparams, hparams_name)
-    missing = [p.name for p in _init_params(cls) if p.name in unsaved and p.default is p.empty]
+    unsaved = unsaved_init_args(cls, hparams, hparams_name)
+    missing = [p.name for p in init_params(cls) if p.name in unsaved and p.default is p.empty]
     if missing:
         raise ExportError(f"export_best_to rebuilds {cls.__name__} from the best checkpoint, but its __init__ "
                           f"arguments {', '.join(missing)} are not saved: call self.save_hyperparameters() in "
@@ -276,23 +277,12 @@ def check_export_config(module: Any, tolerance: Any, *, trial_export: bool = Tru
         _rng.restore(states)
 
 
-def _init_params(cls: type) -> list[inspect.Parameter]:
-    return [p for p in inspect.signature(cls).parameters.values()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-
-
-def _unsaved_init_args(cls: type, hparams: dict[str, Any], hparams_name: Any) -> list[str]:
-    """``__init__`` arguments ``load_from_checkpoint`` would not get from the hyperparameters (it passes the whole
-    hparams as the argument ``save_hyperparameters(obj)`` was given, when there was one)."""
-    return [p.name for p in _init_params(cls) if p.name not in hparams and p.name != hparams_name]
-
-
 def _check_rebuilds(module: Any, hparams: dict[str, Any], hparams_name: Any, unsaved: list[str]) -> None:
     """The module ``load_from_checkpoint`` will build from ``hparams`` (on the meta device: no memory, no weights)
     has ``module``'s parameter and buffer shapes. An ``__init__`` that cannot run on the meta device is left to the
     comparison at export time."""
     cls = type(module)
-    params = _init_params(cls)
+    params = init_params(cls)
     if hparams_name in {p.name for p in params}:
         kwargs = {hparams_name: hparams}
     elif any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.__init__).parameters.values()):
@@ -385,7 +375,7 @@ def _check_is_reference(module: torch.nn.Module, reference: torch.nn.Module, arg
         diff = max((float((g.detach().cpu().double() - e.detach().cpu().double()).abs().max()) if e.numel() else 0.0
                     for g, e in zip(got, expected)), default=0.0) if len(got) == len(expected) else float("inf")
     if difference or not diff <= tolerance:
-        unsaved = _unsaved_init_args(cls, saved, hparams_name)
+        unsaved = unsaved_init_args(cls, saved, hparams_name)
         how = (f"is not the module that was trained ({difference})" if difference else
                f"computes other outputs than the module that was trained, given the same weights (max abs "
                f"difference {diff:.3g} on the example input)")
@@ -438,35 +428,6 @@ def load_module_class(spec: str) -> type:
         return getattr(module, name)
     except AttributeError:
         raise ExportError(f"{where} has no {name}") from None
-
-
-def _load_module(model: Any, checkpoint: str, state: dict[str, Any]) -> torch.nn.Module:
-    if isinstance(model, type):
-        if not hasattr(model, "load_from_checkpoint"):
-            raise ExportError(f"{model.__name__} is not a LightningModule class; pass a module instance instead")
-        try:
-            with serving(checkpoint, state):  # what was read: the file is not read again
-                return model.load_from_checkpoint(checkpoint, map_location="cpu")
-        except RuntimeError as e:
-            if "Error(s) in loading state_dict" not in str(e):
-                raise
-            unsaved = _unsaved_init_args(model, dict(state.get("hyper_parameters") or {}), state.get("hparams_name"))
-            why = (f": its __init__ arguments {', '.join(unsaved)} are not in the saved hyperparameters, so they "
-                   f"took their defaults; call self.save_hyperparameters() in __init__" if unsaved else "")
-            raise ExportError(f"the checkpoint's weights do not fit {model.__name__} built from its saved "
-                              f"hyperparameters ({_state_dict_problem(e)}){why}", checkpoint) from None
-    try:
-        model.load_state_dict(with_aliases(state["state_dict"], model))
-    except RuntimeError as e:
-        raise ExportError(f"the checkpoint's weights do not fit the {type(model).__name__} given "
-                          f"({_state_dict_problem(e)})", checkpoint) from None
-    return model
-
-
-def _state_dict_problem(error: RuntimeError) -> str:
-    """The first line of ``load_state_dict``'s complaint (a size mismatch, missing or unexpected keys)."""
-    lines = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
-    return (lines[0] if lines else str(error)).rstrip(".")
 
 
 def _monitored_score(state: dict[str, Any]) -> tuple[str | None, float | None]:
