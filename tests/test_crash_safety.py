@@ -1,7 +1,7 @@
 """Never lose data: a save that is killed, fails, or finds too little disk leaves the previous checkpoint intact.
 
-Kills are real: a child Python process saves, and is SIGKILLed by the parent (or by itself at a chosen point of the
-commit). Nothing in the format layer is mocked except ``shutil.disk_usage`` for the free-space pre-check.
+Kills are real: a child Python process (forked from ``tests/forkserver.py``, torch imported once) saves, and is
+SIGKILLed by the parent (or by itself at a chosen point of the commit). Nothing in the format layer is mocked except ``shutil.disk_usage`` for the free-space pre-check.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
 from ort_reference import assert_same_checkpoint
 
 from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
@@ -121,13 +122,13 @@ def save_a_and_keep_a_copy():
 """
 
 
-def child(body: str, path: Path, mode: str, *extra: str) -> subprocess.Popen:
-    code = _PRELUDE + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code, str(path), mode, *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=str(path.parent))
+def child(body: str, path: Path, mode: str, *extra: str) -> forkserver.Child:
+    """``python -c <prelude + body> path mode extra...``, forked from the fork server (torch imported once)."""
+    return forkserver.spawn(code=_PRELUDE + textwrap.dedent(body), args=[str(path), mode, *extra],
+                            cwd=str(path.parent))
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
+def finish(proc: forkserver.Child, timeout: float = 60) -> tuple[str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
