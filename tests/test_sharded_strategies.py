@@ -5,10 +5,12 @@ AdamW over the trained ones, per-rank random noise in every step: each rank's ra
 ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, on CPU) and ``FSDPStrategy`` (FSDP1), each in both save modes:
 sharded (``save_distributed_checkpoint=True``, ``state_dict_type="sharded"``: a directory, every rank writing its
 own shards) and full (``save_distributed_checkpoint=False``, ``state_dict_type="full"``: Lightning gathers the full
-state, rank 0 writes one ORT file). One launch runs, per mode, the uninterrupted run (8 steps, 2 epochs) and the
-first half of an interrupted one (4 steps, saved at step 4); a second launch, in fresh processes, resumes the half
-run from its step-4 checkpoint; a third resumes the sharded ones at world size 1; a fourth resumes a copy of the half
-run's folder with ``ckpt_path="last"`` and ``save_top_k=1`` (retention of checkpoint directories). Checked:
+state, rank 0 writes one ORT file), and the sharded modes with ``async_save=True``. One launch runs, per mode, the
+uninterrupted run (8 steps, 2 epochs) and the first half of an interrupted one (4 steps, saved at step 4); a second
+launch, in fresh processes, resumes the half run from its step-4 checkpoint, resumes a copy of the sharded half
+runs' folders with ``ckpt_path="last"`` and ``save_top_k=1`` (retention of checkpoint directories), and runs async
+saves that fail; a third resumes the sharded ones at world size 1 (``runs``: every test below reads what these
+three launches left). Checked:
 
 * resume at the same world size is bitwise the uninterrupted run: weights, optimizer state, loop position, and each
   rank's own random states at every step after the resume;
@@ -45,6 +47,7 @@ from ort_reference import ort_api, ort_parameters
 MODES = ("mp-sharded", "mp-full", "fsdp-sharded", "fsdp-full")
 CKPT = "epoch=0-step=4.ckpt"
 SHARDED = ("mp-sharded", "fsdp-sharded")
+ASYNC = ("mp-sharded-async", "fsdp-sharded-async")
 SCRIPT = r'''
 import hashlib, json, os, sys, warnings
 import pytorch_lightning as pl
@@ -264,11 +267,11 @@ def fit_failing(out, kind):
         json.dump(error, f)
 
 
-out, phase, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+out, steps = sys.argv[1], [step.split("=") for step in sys.argv[2:]]  # each step: <phase>=<kind>,<kind>...
 warnings.simplefilter("ignore")
 with warnings.catch_warnings(record=True) as CAUGHT:
     warnings.simplefilter("always", UserWarning)
-    for kind in kinds:
+    for phase, kind in [(phase, kind) for phase, kinds in steps for kind in kinds.split(",")]:
         if phase == "first":
             fit(out, kind, "full", 8)
             fit(out, kind, "half", 4)
@@ -285,22 +288,30 @@ with warnings.catch_warnings(record=True) as CAUGHT:
 '''
 
 
-def launch(tmp_path: Path, phase: str, kinds: str, timeout: float = 240, **extra_env: str) -> None:
+def launch(tmp_path: Path, steps: dict[str, tuple[str, ...]], timeout: float = 1200, **extra_env: str) -> None:
+    """One launch of the script (2 ranks, fresh processes) running ``steps`` (phase: kinds) in order. The bound
+    covers the imports and every fit of the launch on a loaded machine: it catches a hang, not a slow start."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    launch_script(script, [str(tmp_path), phase, kinds], f"the run ({phase} {kinds})", timeout, **extra_env)
+    args = [f"{phase}={','.join(kinds)}" for phase, kinds in steps.items()]
+    launch_script(script, [str(tmp_path), *args], f"the run ({' '.join(args)})", timeout, **extra_env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The three launches (about two minutes on two cores); the tests below check what they left."""
+    """Three launches for every test of this module, sync and async kinds together: (1) the uninterrupted runs and
+    the half runs; (2) in fresh processes, rank 0's memory during full-state saves (first, in processes that have
+    saved nothing yet; every allocation of 64 KiB or more mapped on its own, see ``memory_of_full_saves``), the
+    resumes of the half runs, "last" in a copy of each sharded half run's folder, and last the async saves that fail
+    (they leave the file size limit of the processes lowered for a while); (3) the sharded half runs resumed at
+    world size 1."""
     tmp_path = tmp_path_factory.mktemp("sharded")
-    launch(tmp_path, "first", ",".join(MODES))
-    launch(tmp_path, "resume", ",".join(MODES))
-    launch(tmp_path, "one", "mp-sharded,fsdp-sharded")
-    for kind in SHARDED:
+    launch(tmp_path, {"first": MODES + ASYNC})
+    for kind in SHARDED + ASYNC:
         shutil.copytree(tmp_path / kind / "half", tmp_path / kind / "last")
-    launch(tmp_path, "last", ",".join(SHARDED))
+    launch(tmp_path, {"memory": ("mp-full",), "resume": MODES + ASYNC, "last": SHARDED + ASYNC, "fail": ASYNC},
+           MALLOC_MMAP_THRESHOLD_=str(1 << 16))
+    launch(tmp_path, {"one": SHARDED})
     return tmp_path
 
 
@@ -418,13 +429,12 @@ def test_deepspeed_is_refused_before_training(tmp_path: Path) -> None:
     assert Counting.steps == 0 and not list(tmp_path.iterdir())
 
 
-def test_full_state_save_holds_the_gathered_state_once(tmp_path: Path) -> None:
+def test_full_state_save_holds_the_gathered_state_once(runs: Path) -> None:
     """Rank 0 writes the state Lightning gathered straight from its memory: a save's peak stays under the gathered
     state (48 MiB) plus a small constant (the gather's own buffer for one tensor, 4 MiB, and the writer's
     bookkeeping), every save, the first included. Lightning's ``TorchCheckpointIO`` serializes into memory first:
     twice the state (see ``benchmarks/full_state_save.py``)."""
-    launch(tmp_path, "memory", "mp-full", MALLOC_MMAP_THRESHOLD_=str(1 << 16))
-    measured = json.loads((tmp_path / "memory.json").read_text())
+    measured = json.loads((runs / "memory.json").read_text())
     gathered, peaks = measured["gathered_mib"], measured["peaks_mib"]
     assert len(peaks) == 3 and 47 < gathered < 49
     assert max(peaks) < gathered + 12, peaks  # measured: gathered + 4 MiB
@@ -463,20 +473,11 @@ def test_sharded_tensors_become_dtensors_over_the_same_memory(tmp_path: Path) ->
 
 
 # -- asynchronous sharded saves (issue 34) -----------------------------------------------------------------------
-ASYNC = ("mp-sharded-async", "fsdp-sharded-async")
-
-
 @pytest.fixture(scope="module")
-def async_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The launches of ``runs`` for sharded saves with ``async_save=True``, and one whose step-2 save fails."""
-    tmp_path = tmp_path_factory.mktemp("sharded-async")
-    launch(tmp_path, "first", ",".join(ASYNC))
-    launch(tmp_path, "resume", ",".join(ASYNC))
-    for kind in ASYNC:
-        shutil.copytree(tmp_path / kind / "half", tmp_path / kind / "last")
-    launch(tmp_path, "last", ",".join(ASYNC))
-    launch(tmp_path, "fail", ",".join(ASYNC))
-    return tmp_path
+def async_runs(runs: Path) -> Path:
+    """The launches of ``runs`` ran the sharded saves with ``async_save=True`` too, and the ones whose step-2 save
+    fails."""
+    return runs
 
 
 @pytest.mark.parametrize("mode", ASYNC)
