@@ -54,6 +54,7 @@ def tensor_file(reader: Any, info: Any) -> str:
 
 
 # -- recording and verifying ---------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_every_tensor_is_recorded_and_verifies(tmp_path, mode):
     path = tmp_path / "ck.ckpt"

@@ -162,6 +162,7 @@ print("B saved", flush=True)
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, mode):
     path = tmp_path / "model.ckpt"
@@ -228,6 +229,7 @@ print("B saved", flush=True)
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("stage", ["before-journal", "after-journal", "after-data", "after-checkpoint"])
 def test_sigkill_inside_external_data_commit(tmp_path, stage):
     path = tmp_path / "model.ckpt"
@@ -274,6 +276,7 @@ def test_sigkill_inside_external_data_commit(tmp_path, stage):
     assert_same_checkpoint(load_checkpoint(path), expected(3))
 
 
+@pytest.mark.usefixtures("io_path")
 def test_interrupted_commit_is_completed_by_the_next_save(tmp_path):
     """A save (not a read) that finds a pending journal completes that commit first, then replaces it."""
     path = tmp_path / "model.ckpt"
@@ -288,6 +291,7 @@ def test_interrupted_commit_is_completed_by_the_next_save(tmp_path):
 
 
 # -- a save that fails --------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_tensor_that_fails_midway_keeps_previous_checkpoint(tmp_path, mode):
     path = tmp_path / "model.ckpt"
@@ -324,6 +328,7 @@ except BaseException as e:
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_file_size_limit_keeps_previous_checkpoint(tmp_path, mode):
     path = tmp_path / "model.ckpt"
@@ -341,6 +346,7 @@ def test_file_size_limit_keeps_previous_checkpoint(tmp_path, mode):
 
 
 # -- the free-space pre-check ------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_too_little_free_space_writes_nothing(tmp_path, monkeypatch, mode):
     path = tmp_path / "model.ckpt"
@@ -389,7 +395,7 @@ def test_stale_sweep_deletes_only_what_is_certainly_dead(tmp_path, monkeypatch, 
     the rest only past a generous age. With portable I/O (no pid probing) this host's dead pids wait for that age."""
     if portable:
         monkeypatch.setenv(PORTABLE_IO_ENV, "1")
-    else:  # also where this suite runs again on the portable path (test_portable_io)
+    else:  # whatever the environment of the test run says
         monkeypatch.delenv(PORTABLE_IO_ENV, raising=False)
     host, boot, pid = atomic._HOST, atomic._BOOT, dead_pid()
     other_host = "0" * 8 if host != "0" * 8 else "1" * 8
@@ -423,6 +429,7 @@ def fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to name an fsync's file")
 def test_enospc_writing_the_journal_removes_both_temporaries(tmp_path, monkeypatch):
     """The disk fills up exactly when the journal is written (its fsync fails with ENOSPC, as a delayed allocation
@@ -450,6 +457,7 @@ def test_enospc_writing_the_journal_removes_both_temporaries(tmp_path, monkeypat
 
 
 # -- the durability order, seen from inside and by strace ----------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to name an fsync's file")
 def test_directories_a_save_creates_are_made_durable(tmp_path, monkeypatch):
     events = []
@@ -481,6 +489,7 @@ save_checkpoint(small_checkpoint(2), path, external_data=mode)  # replaces A wit
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
 def test_syscall_order_of_an_external_data_save(tmp_path):
     """strace of two saves: the new directory is fsynced into its parent; for the replacing save, both temporaries
@@ -531,6 +540,7 @@ def test_syscall_order_of_an_external_data_save(tmp_path):
 
 
 # -- removal: all or nothing for a reader ------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 def test_removal_hides_the_checkpoint_before_its_data(tmp_path, monkeypatch):
     """A reader that looks between the renames of a removal finds no checkpoint, never a .ckpt without its .data."""
     path = tmp_path / "model.ckpt"
@@ -640,6 +650,7 @@ def on_tmpfs(tmp_path: Path, scenario: str) -> dict:
     return result
 
 
+@pytest.mark.usefixtures("io_path")
 def test_real_enospc_at_the_journal_cleans_both_temporaries(tmp_path):
     r = on_tmpfs(tmp_path, "enospc")
     # the temporaries fit: the failure came at the journal (with portable I/O, at the writers' lock file before it)
@@ -649,6 +660,7 @@ def test_real_enospc_at_the_journal_cleans_both_temporaries(tmp_path):
     assert r["a"] == "checkpoint-1"
 
 
+@pytest.mark.usefixtures("io_path")
 def test_read_only_mount_with_a_pending_commit(tmp_path):
     """Readers need no write access: a pending commit on a read-only mount reads as the new pair, whole; a save and
     a repair fail clearly, and nothing changes."""
