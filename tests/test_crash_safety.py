@@ -128,7 +128,7 @@ def child(body: str, path: Path, mode: str, *extra: str) -> forkserver.Child:
                             cwd=str(path.parent))
 
 
-def finish(proc: forkserver.Child, timeout: float = 60) -> tuple[str, str]:
+def finish(proc: forkserver.Child, timeout: float = 300) -> tuple[str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -518,7 +518,7 @@ def test_a_kill_at_any_point_of_a_sharing_save_leaves_earlier_files_intact(tmp_p
                                                                             target: str) -> None:
     code = _KILL_DURING_SHARING_SAVE.format(tests=TESTS_DIR)
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), point, target], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
     expected = {"a.ckpt": 1, "b.ckpt": 2, "c.ckpt": 3}
     # every file not being saved is intact, byte for byte, and loads; the one being saved is old or new, whole

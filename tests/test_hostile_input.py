@@ -22,7 +22,7 @@ from lightning_ort_ckpt._translation import MANIFEST
 from test_callback import Net, fit, name
 from test_checksums import run_cli
 
-CASE_SECONDS = 60
+CASE_SECONDS = 300
 
 
 def resume(tmp_path: Path, ckpt: Any, epochs: int = 2) -> Any:

@@ -67,7 +67,7 @@ def s3_endpoint() -> Iterator[str]:
     server = subprocess.Popen(_moto_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # moto's start-up (imports) on a loaded machine: only a hang fails
         while True:
             try:
                 urllib.request.urlopen(url + "/moto-api/", timeout=1).close()

@@ -559,7 +559,7 @@ def test_numpy_arrays_stay_valid_after_close(tmp_path, mode):
 def test_torch_tensors_stay_valid_after_close(tmp_path, mode):
     # in a subprocess: the failure mode is a segfault, which would take the whole test run down
     proc = subprocess.run([sys.executable, "-c", _USE_AFTER_CLOSE, str(tmp_path / "ck.ckpt"), mode],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
 
 
