@@ -44,8 +44,9 @@ def io_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 # trainer: real Lightning Trainers or Fabric in the test process; multiprocess: rank launchers (2+ processes that
 # import torch and Lightning, gloo on loopback); crash: processes killed mid-save; ort: the real ONNX Runtime as the
 # judge; s3: moto's S3 server on 127.0.0.1; slow: big models (memory measurements), the examples, the packaging.
-# A file not listed is "trainer". fast: the files of the fast tier (`pytest -m fast`, under 3 minutes on 2 cores) and
-# the `smoke` tests (test_integration: a Trainer end to end, the CLI, the public names).
+# A file not listed is "trainer". fast: the fast tier (`pytest -m fast`, under 3 minutes on 2 cores): the format
+# layer, the stores, ORT interop, the CLI, the callback, resume, the save decision, staging, export checks, and the
+# `smoke` tests (test_integration: a Trainer end to end, the CLI, the public names).
 FILE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_corrupt_input.py": ("unit", "fast"),
     "test_diskio.py": ("unit", "fast"),
@@ -67,7 +68,7 @@ FILE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_dcp_distributed.py": ("unit", "multiprocess"),
     "test_save_memory.py": ("unit", "slow"),
     "test_checksums.py": ("trainer", "ort"),
-    "test_callback.py": ("trainer", "ort"),
+    "test_callback.py": ("trainer", "ort", "fast"),
     "test_callback_crash.py": ("trainer", "crash"),
     "test_preemption.py": ("trainer", "crash"),
     "test_frozen_sharing.py": ("trainer", "ort", "crash"),
@@ -84,10 +85,15 @@ FILE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_fabric.py": ("trainer", "ort"),
     "test_device_roundtrip.py": ("trainer", "ort"),
     "test_export.py": ("trainer", "ort"),
-    "test_export_checks.py": ("trainer", "ort"),
+    "test_export_checks.py": ("trainer", "ort", "fast"),
     "test_export_tied.py": ("trainer", "ort"),
     "test_zoo.py": ("trainer", "ort"),
     "test_zoo_third_party.py": ("trainer", "ort"),
+    "test_resume.py": ("trainer", "fast"),
+    "test_registry.py": ("trainer", "fast"),
+    "test_save_decision.py": ("trainer", "fast"),
+    "test_staging_ahead.py": ("trainer", "fast"),
+    "test_async_overlap.py": ("trainer", "fast"),
     "test_memory.py": ("trainer", "slow"),
     "test_examples.py": ("trainer", "ort", "slow"),
     "test_packaging.py": ("trainer", "ort", "slow"),
