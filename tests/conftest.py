@@ -10,7 +10,8 @@ import pytest
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.format._atomic import _lock
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
-from test_callback import files_after_fit, fit, name
+from helpers.fits import files_after_fit, fit, name
+from helpers.s3 import proxy, s3_endpoint  # noqa: F401 (fixtures: moto's S3 server for the session, a proxy before it)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_crash_safety import snapshot
+from helpers.crash import snapshot
 
 from lightning_ort_ckpt import CheckpointError
 from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_checksums import run_cli
+from helpers.cli import run_cli
 
 ENTRY_SECONDS = 20  # each entry point's call, imports done: far more than an error takes, far less than a hang
 CHILD_SECONDS = 600  # the whole child, imports on a loaded machine included: a hang of the child itself

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +37,7 @@ from lightning_ort_ckpt.format._store import store_for, strip_protocol
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from ort_reference import assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO, Entry
+from helpers.s3 import _free_port, _s3_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = next(e for e in ZOO if e.name == "tied_transformer")  # dropout and shuffling: resume needs the RNG states
@@ -47,49 +45,6 @@ BLOCK = 5 << 20  # S3's smallest part size: uploads of more than this go multipa
 
 
 # -- the S3 server ------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _moto_command(port: int) -> list[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    if os.path.exists(script):
-        return [script, "-H", "127.0.0.1", "-p", str(port)]
-    return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server on a free loopback port, for the whole session."""
-    port = _free_port()
-    server = subprocess.Popen(_moto_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # moto's start-up (imports) on a loaded machine: only a hang fails
-        while True:
-            try:
-                urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on {url}") from None
-                time.sleep(0.1)
-        yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _s3_env(endpoint: str) -> dict[str, str]:
-    """How a process without storage_options finds the server: s3fs (botocore) reads these."""
-    return {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint}
 
 
 @dataclass
