@@ -66,7 +66,9 @@ def run_child(request, fds):
             sys.argv = ["-c", *request["args"]]
             sys.path[:] = ["", *base_path]
             source, filename = request["code"], "<string>"
-        scope = {"__name__": "__main__"} if request["script"] is None else {"__name__": "__main__", "__file__": filename}
+        scope = {"__name__": "__main__"}
+        if request["script"] is not None:
+            scope["__file__"] = filename
         exec(compile(source, filename, "exec"), scope)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

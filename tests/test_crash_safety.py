@@ -1,7 +1,8 @@
 """Never lose data: a save that is killed, fails, or finds too little disk leaves the previous checkpoint intact.
 
 Kills are real: a child Python process (forked from ``tests/forkserver.py``, torch imported once) saves, and is
-SIGKILLed by the parent (or by itself at a chosen point of the commit). Nothing in the format layer is mocked except ``shutil.disk_usage`` for the free-space pre-check.
+SIGKILLed by the parent (or by itself at a chosen point of the commit). Nothing in the format layer is mocked except
+``shutil.disk_usage`` for the free-space pre-check.
 """
 
 from __future__ import annotations
