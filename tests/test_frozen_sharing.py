@@ -16,8 +16,6 @@ import errno
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format import _shared_data as shared
 from lightning_ort_ckpt.format._shared_data import SharedFrozen
 from lightning_ort_ckpt.format._store import store_for
+import forkserver
 from ort_reference import assert_same_checkpoint, assert_same_tensor, ort_api
 from zoo_models import BATCH
 from helpers.frozen import ENTRY, SHARED, Scored, checkpoints, fit, frozen_checkpoint, inode, linked_spec
@@ -442,9 +441,9 @@ POINTS = ["after-link", "before-fsync", "before-replace:.commit", "after-replace
 def test_a_kill_at_any_point_of_a_sharing_save_leaves_earlier_files_intact(tmp_path: Path, point: str,
                                                                             target: str) -> None:
     code = _KILL_DURING_SHARING_SAVE.format(tests=TESTS_DIR)
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), point, target], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    proc = forkserver.spawn(code=code, args=[str(tmp_path), point, target])  # torch and Lightning imported once
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, out + str(err)
     expected = {"a.ckpt": 1, "b.ckpt": 2, "c.ckpt": 3}
     # every file not being saved is intact, byte for byte, and loads; the one being saved is old or new, whole
     a_data = tmp_path / "a.ckpt.data"
