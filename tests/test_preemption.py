@@ -16,15 +16,14 @@ save_on_exception=True)`` and prints what it does; the parent sends SIGTERM mid-
   run that was never interrupted -- except after a SIGTERM during validation, which Lightning does not run again
   (see ``CASES``).
 
-Nothing is mocked. Models stay small so that a case takes a few seconds besides the child's imports.
+Nothing is mocked. Models stay small so that a case takes a few seconds; the child forks from ``tests/forkserver.py``
+(torch and Lightning imported once).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
+import forkserver
 from helpers.loaders import ResumableShuffleLoader
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -152,9 +152,8 @@ def run_child(tmp_path: Path, when: str, width: int, async_save: bool) -> tuple[
     """Start the child, SIGTERM it at the line ``when``; its return code, output and the step it was stopped at."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_CHILD))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpts"), str(width), str(int(async_save)),
-                             when],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+    proc = forkserver.spawn(script=str(script), args=[str(tmp_path / "ckpts"), str(width), str(int(async_save)), when],
+                            cwd=str(tmp_path), merge_stderr=True)  # torch and Lightning imported once
     try:
         lines = []
         for line in proc.stdout:
