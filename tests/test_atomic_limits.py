@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from test_crash_safety import child, dead_pid, expected, finish, leftovers, small_checkpoint
+from helpers.crash import child, dead_pid, expected, finish, leftovers, small_checkpoint
 from ort_reference import assert_same_checkpoint
 
 from lightning_ort_ckpt import CheckpointSaveError

@@ -23,7 +23,7 @@ from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
-from test_callback import STEPS_PER_EPOCH, Net, _data, name
+from helpers.fits import STEPS_PER_EPOCH, Net, _data, name
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,8 @@ hidden temporary files ``.<name>.<pid>.<hex>.tmp`` is growing. Afterwards:
   (``atomic.wait_for_cleanup()``).
 
 Nothing is mocked. The model is kept small enough (a ~50 MB file per save, two saves per step) that a case stays
-within about 20 s on a slow two-core machine, most of which is the child importing torch and Lightning.
+within a few seconds; the children that are killed fork from ``tests/forkserver.py`` (torch and Lightning imported
+once), the one about a process's own exit is a plain interpreter.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
+import forkserver
 
 pytestmark = [
     pytest.mark.filterwarnings("error::lightning_ort_ckpt.errors.CheckpointWarning"),
@@ -136,7 +138,7 @@ def leftovers(directory: Path, pid: int | None = None) -> list[str]:
     return sorted(n for n in names if pid is None or f".{pid}." in n)
 
 
-def kill_while_saving(proc: subprocess.Popen, directory: Path, nth: int | str,
+def kill_while_saving(proc: forkserver.Child, directory: Path, nth: int | str,
                       timeout: float = 60) -> tuple[str, int]:
     """SIGKILL ``proc`` as soon as the ``nth`` temporary checkpoint file it creates (or the first temporary for the
     file named ``nth``) is seen growing.
@@ -186,8 +188,7 @@ def test_sigkill_during_callback_save(tmp_path: Path, case: str) -> None:
     dirpath = tmp_path / "ckpts"
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_CHILD))
-    proc = subprocess.Popen([sys.executable, str(script), str(dirpath), case], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+    proc = forkserver.spawn(script=str(script), args=[str(dirpath), case], cwd=str(tmp_path), merge_stderr=True)
     try:
         lines = []
         for line in proc.stdout:  # the child's own output until its first checkpoint is durable
@@ -277,8 +278,7 @@ def test_retired_file_of_a_deleted_checkpoint_is_swept(tmp_path: Path) -> None:
     dirpath = tmp_path / "ckpts"
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_KILL_BETWEEN_RENAME_AND_UNLINK))
-    proc = subprocess.Popen([sys.executable, str(script), str(dirpath)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = forkserver.spawn(script=str(script), args=[str(dirpath)], merge_stderr=True)
     try:
         out, _ = proc.communicate(timeout=120)
     finally:

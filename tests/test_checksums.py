@@ -8,8 +8,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,8 @@ from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_
 from lightning_ort_ckpt.format._checksums import PROPERTY
 from lightning_ort_ckpt._translation import MANIFEST
 from ort_reference import batch, make_artifacts, ort_api, ort_parameters, ort_properties
-from test_callback import Net, files_after_fit, fit, name
+from helpers.fits import Net, files_after_fit, fit, name
+from helpers.cli import run_cli
 
 MODES = ["never", "params", "all"]
 
@@ -54,6 +53,7 @@ def tensor_file(reader: Any, info: Any) -> str:
 
 
 # -- recording and verifying ---------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_every_tensor_is_recorded_and_verifies(tmp_path, mode):
     path = tmp_path / "ck.ckpt"
@@ -173,11 +173,6 @@ def test_files_ort_wrote_load_as_before_and_verify_says_so(art):
 
 
 # -- the entry points that load ------------------------------------------------------------------------------------
-def run_cli(*args: Any, cwd: Any = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent),
-                                                       os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ import torch
 
 from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, save_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
-from test_checksums import run_cli
-from test_escapes_input import no_torch_env
+from helpers.cli import no_torch_env, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,38 +16,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from helpers.cli import Net
 from lightning_ort_ckpt import OrtCheckpoint, open_checkpoint
 
 
-class Net(pl.LightningModule):
-    """A trained head (2 parameters), BatchNorm (2 parameters the optimizer leaves alone, 3 buffers), and a frozen
-    1 MiB layer (shared .data)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.frozen = torch.nn.Linear(512, 512, bias=False)
-        self.frozen.requires_grad_(False)
-        self.norm = torch.nn.BatchNorm1d(512)
-        self.head = torch.nn.Linear(512, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.frozen(x)))
-
-    def training_step(self, batch: Any, _: int) -> torch.Tensor:
-        return self(batch[0]).square().mean()
-
-    def validation_step(self, batch: Any, _: int) -> None:
-        self.log("val_loss", self(batch[0]).square().mean())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.head.parameters(), lr=0.05)
-
-    def train_dataloader(self) -> Any:
-        g = torch.Generator().manual_seed(0)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 512, generator=g)),
-                                           batch_size=4)
-
-    val_dataloader = train_dataloader
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.dcp import OrtStorageReader, OrtStorageWriter
 from lightning_ort_ckpt.format import load_checkpoint, open_checkpoint
-from test_cli_runs import Net
+from helpers.cli import Net
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -1,7 +1,8 @@
 """Never lose data: a save that is killed, fails, or finds too little disk leaves the previous checkpoint intact.
 
-Kills are real: a child Python process saves, and is SIGKILLed by the parent (or by itself at a chosen point of the
-commit). Nothing in the format layer is mocked except ``shutil.disk_usage`` for the free-space pre-check.
+Kills are real: a child Python process (forked from ``tests/forkserver.py``, torch imported once) saves, and is
+SIGKILLed by the parent (or by itself at a chosen point of the commit). Nothing in the format layer is mocked except
+``shutil.disk_usage`` for the free-space pre-check.
 """
 
 from __future__ import annotations
@@ -25,71 +26,26 @@ import torch
 from ort_reference import assert_same_checkpoint
 
 from lightning_ort_ckpt import CheckpointError, CheckpointSaveError
-from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
+from lightning_ort_ckpt.format import load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format._atomic import _cleanup, _commit
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
+from helpers.crash import _PRELUDE, child, dead_pid, expected, finish, leftovers, small_checkpoint, snapshot
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MODES = ["never", "params"]  # inline, and parameters in <path>.data
 HOST_BOOT = "[0-9a-f]{8}-[0-9a-f]{8}"  # the host and boot tag in every temporary name
-BIG_SIDE = 8192  # the big checkpoint: one 8192 x 8192 float32 tensor = 256 MiB
 
 
 # -- checkpoints (also imported by the child processes) ---------------------------------------------------------
-def small_checkpoint(seed: int) -> CheckpointContents:
-    g = torch.Generator().manual_seed(seed)
-    w, b = torch.randn(4, 3, generator=g), torch.randn(3, generator=g)
-    return CheckpointContents(
-        trainable={"fc.weight": w, "fc.bias": b, "temperature": torch.tensor(float(seed))},
-        frozen={"bn.num_batches_tracked": torch.tensor(seed * 1000, dtype=torch.int64),
-                "bn.running_mean": torch.randn(3, generator=g)},
-        optimizer_groups={"group0": OptimizerGroup(
-            step=seed, initial_learning_rate=0.01,
-            states={n: {"momentum0": torch.randn(t.shape, generator=g), "momentum1": torch.rand(t.shape, generator=g)}
-                    for n, t in (("fc.weight", w), ("fc.bias", b))})},
-        properties={"seed": seed, "loss": 1.0 / (seed + 1), "tag": f"checkpoint-{seed}"})
-
-
-def big_checkpoint(seed: int) -> CheckpointContents:
-    """256 MiB in one non-contiguous tensor (so it is copied out in chunks: the save takes a while)."""
-    ck = small_checkpoint(seed)
-    ck.trainable["big"] = torch.full((BIG_SIDE, BIG_SIDE), float(seed)).t()
-    return ck
 
 
 def data_file(path: Path) -> Path:
     return Path(atomic.data_path(str(path)))
 
 
-
-
-def expected(seed: int) -> CheckpointContents:
-    """What a saved small_checkpoint(seed) loads as (float properties come back as float32)."""
-    ck = small_checkpoint(seed)
-    ck.properties["loss"] = float(torch.tensor(ck.properties["loss"], dtype=torch.float32))
-    for group in ck.optimizer_groups.values():
-        group.initial_learning_rate = float(torch.tensor(group.initial_learning_rate, dtype=torch.float32))
-    return ck
-
-
 def files_of(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
-
-
-def snapshot(directory: Path) -> dict[str, tuple[int, int, bytes]]:
-    """Every name in ``directory`` with its inode, mtime and contents: what "changes nothing" compares."""
-    out = {}
-    for p in sorted(directory.iterdir()):
-        st = p.lstat()
-        out[p.name] = (st.st_ino, st.st_mtime_ns, p.read_bytes() if p.is_file() else b"")
-    return out
-
-
-def leftovers(directory: Path, pid: int | None = None) -> list[str]:
-    """Temporary, journal and retired files in ``directory`` (of process ``pid`` if given)."""
-    names = [n for n in os.listdir(directory) if n.endswith((".tmp", ".old", atomic.JOURNAL_SUFFIX))]
-    return sorted(n for n in names if pid is None or f".{pid}." in n)
 
 
 def assert_dead_process_swept(directory: Path, pid: int) -> None:
@@ -103,38 +59,6 @@ def assert_dead_process_swept(directory: Path, pid: int) -> None:
 
 
 # -- child processes --------------------------------------------------------------------------------------------
-_PRELUDE = f"""
-import json, os, resource, shutil, signal, sys
-sys.path.insert(0, {TESTS_DIR!r})
-from test_crash_safety import big_checkpoint, small_checkpoint
-from lightning_ort_ckpt.format import save_checkpoint
-from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt.format._atomic import _commit, _names
-path, mode = sys.argv[1], sys.argv[2]
-extra = sys.argv[3:]
-
-def save_a_and_keep_a_copy():
-    save_checkpoint(small_checkpoint(1), path, external_data=mode)
-    shutil.copyfile(path, path + ".ref")
-    if os.path.exists(atomic.data_path(path)):
-        shutil.copyfile(atomic.data_path(path), path + ".ref.data")
-"""
-
-
-def child(body: str, path: Path, mode: str, *extra: str) -> subprocess.Popen:
-    code = _PRELUDE + textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, "-c", code, str(path), mode, *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=str(path.parent))
-
-
-def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"child process hung:\n{out}\n{err}")
-    return out, err
 
 
 def assert_is_a(path: Path, mode: str) -> None:
@@ -161,6 +85,7 @@ print("B saved", flush=True)
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, mode):
     path = tmp_path / "model.ckpt"
@@ -227,6 +152,7 @@ print("B saved", flush=True)
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("stage", ["before-journal", "after-journal", "after-data", "after-checkpoint"])
 def test_sigkill_inside_external_data_commit(tmp_path, stage):
     path = tmp_path / "model.ckpt"
@@ -273,6 +199,7 @@ def test_sigkill_inside_external_data_commit(tmp_path, stage):
     assert_same_checkpoint(load_checkpoint(path), expected(3))
 
 
+@pytest.mark.usefixtures("io_path")
 def test_interrupted_commit_is_completed_by_the_next_save(tmp_path):
     """A save (not a read) that finds a pending journal completes that commit first, then replaces it."""
     path = tmp_path / "model.ckpt"
@@ -287,6 +214,7 @@ def test_interrupted_commit_is_completed_by_the_next_save(tmp_path):
 
 
 # -- a save that fails --------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_tensor_that_fails_midway_keeps_previous_checkpoint(tmp_path, mode):
     path = tmp_path / "model.ckpt"
@@ -323,6 +251,7 @@ except BaseException as e:
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_file_size_limit_keeps_previous_checkpoint(tmp_path, mode):
     path = tmp_path / "model.ckpt"
@@ -340,6 +269,7 @@ def test_file_size_limit_keeps_previous_checkpoint(tmp_path, mode):
 
 
 # -- the free-space pre-check ------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", MODES)
 def test_too_little_free_space_writes_nothing(tmp_path, monkeypatch, mode):
     path = tmp_path / "model.ckpt"
@@ -376,9 +306,6 @@ def test_too_little_free_space_writes_nothing(tmp_path, monkeypatch, mode):
 
 
 # -- leftovers of other hosts, live saves and older versions are not swept ---------------------------------------------
-def dead_pid() -> int:
-    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True).stdout)
 
 
 @pytest.mark.parametrize("portable", [False, True])
@@ -388,7 +315,7 @@ def test_stale_sweep_deletes_only_what_is_certainly_dead(tmp_path, monkeypatch, 
     the rest only past a generous age. With portable I/O (no pid probing) this host's dead pids wait for that age."""
     if portable:
         monkeypatch.setenv(PORTABLE_IO_ENV, "1")
-    else:  # also where this suite runs again on the portable path (test_portable_io)
+    else:  # whatever the environment of the test run says
         monkeypatch.delenv(PORTABLE_IO_ENV, raising=False)
     host, boot, pid = atomic._HOST, atomic._BOOT, dead_pid()
     other_host = "0" * 8 if host != "0" * 8 else "1" * 8
@@ -422,6 +349,7 @@ def fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to name an fsync's file")
 def test_enospc_writing_the_journal_removes_both_temporaries(tmp_path, monkeypatch):
     """The disk fills up exactly when the journal is written (its fsync fails with ENOSPC, as a delayed allocation
@@ -449,6 +377,7 @@ def test_enospc_writing_the_journal_removes_both_temporaries(tmp_path, monkeypat
 
 
 # -- the durability order, seen from inside and by strace ----------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to name an fsync's file")
 def test_directories_a_save_creates_are_made_durable(tmp_path, monkeypatch):
     events = []
@@ -480,6 +409,7 @@ save_checkpoint(small_checkpoint(2), path, external_data=mode)  # replaces A wit
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
 def test_syscall_order_of_an_external_data_save(tmp_path):
     """strace of two saves: the new directory is fsynced into its parent; for the replacing save, both temporaries
@@ -530,6 +460,7 @@ def test_syscall_order_of_an_external_data_save(tmp_path):
 
 
 # -- removal: all or nothing for a reader ------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 def test_removal_hides_the_checkpoint_before_its_data(tmp_path, monkeypatch):
     """A reader that looks between the renames of a removal finds no checkpoint, never a .ckpt without its .data."""
     path = tmp_path / "model.ckpt"
@@ -639,6 +570,7 @@ def on_tmpfs(tmp_path: Path, scenario: str) -> dict:
     return result
 
 
+@pytest.mark.usefixtures("io_path")
 def test_real_enospc_at_the_journal_cleans_both_temporaries(tmp_path):
     r = on_tmpfs(tmp_path, "enospc")
     # the temporaries fit: the failure came at the journal (with portable I/O, at the writers' lock file before it)
@@ -648,6 +580,7 @@ def test_real_enospc_at_the_journal_cleans_both_temporaries(tmp_path):
     assert r["a"] == "checkpoint-1"
 
 
+@pytest.mark.usefixtures("io_path")
 def test_read_only_mount_with_a_pending_commit(tmp_path):
     """Readers need no write access: a pending commit on a read-only mount reads as the new pair, whole; a save and
     a repair fail clearly, and nothing changes."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-_TIMEOUT_S = 300
+_TIMEOUT_S = 600
 _WIDTH = 1536  # 4 layers of WIDTH x WIDTH float32: 36 MiB of weights, 18 MiB per rank, 54 MiB with Adam's state
 _SLACK = 40 << 20  # what a rank's save may add to its memory: the writer's buffers, DCP's plans, the interpreter's
 

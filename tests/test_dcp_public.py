@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from lightning_ort_ckpt.dcp import OrtStorageReader, OrtStorageWriter
 from lightning_ort_ckpt.errors import CheckpointSaveError, CorruptCheckpointError
 
-_TIMEOUT_S = 240
+_TIMEOUT_S = 600
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

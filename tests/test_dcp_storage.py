@@ -23,8 +23,7 @@ import torch
 
 from lightning_ort_ckpt._dcp_storage import METADATA_NAME, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
-from test_failures_reported import _Forward, _Proxy, proxy  # noqa: F401  (a proxy in front of moto, a fixture)
-from test_remote_storage import s3_endpoint  # noqa: F401  (moto's S3 server on 127.0.0.1, a fixture)
+from helpers.s3 import _Forward, _Proxy
 
 
 def _state(seed: int = 0) -> dict:

@@ -148,7 +148,7 @@ else:
 '''
 
 
-def launch(tmp_path: Path, phase: str, timeout: float = 150) -> None:
+def launch(tmp_path: Path, phase: str, timeout: float = 900) -> None:
     script = tmp_path / "train.py"
     script.write_text(f"STEPS, HALF = {STEPS}, {HALF}\n" + textwrap.dedent(SCRIPT))
     launch_script(script, [str(tmp_path), phase], f"the DDP run ({phase})", timeout)

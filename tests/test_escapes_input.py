@@ -26,25 +26,11 @@ from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt._translation import MANIFEST
-from test_callback import Net, fit, name
-from test_checksums import run_cli
+from helpers.fits import Net, fit, name
+from helpers.cli import no_torch_env, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RNG_KEY = "lightning_ort_ckpt.rng_states"
-
-
-def no_torch_env(tmp_path: Path) -> dict[str, str]:
-    """The environment of a process in which ``import torch`` fails as if torch were not installed: a sitecustomize
-    on PYTHONPATH puts a finder first on the meta path that refuses torch and its submodules."""
-    site = tmp_path / "no_torch_site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(
-        "import sys\n\n\nclass _NoTorch:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'torch' or name.startswith('torch.'):\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "        return None\n\n\nsys.meta_path.insert(0, _NoTorch())\n")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), str(ROOT / "tests")])}
 
 
 def run_python(code: str, env: dict[str, str] | None = None, *args: Any) -> subprocess.CompletedProcess:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -21,37 +20,7 @@ from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.export import ExportError, export_onnx
 from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, save_checkpoint
 from lightning_ort_ckpt._reading import read_weights
-
-MODULE = textwrap.dedent('''
-    import torch
-    import pytorch_lightning as pl
-    from torch import nn
-
-
-    class Demo(pl.LightningModule):
-        """BatchNorm and Dropout: export must run them in inference form."""
-
-        def __init__(self, hidden: int = 16, lr: float = 1e-2):
-            super().__init__()
-            self.save_hyperparameters()
-            self.net = nn.Sequential(nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.3),
-                                     nn.Linear(hidden, 2))
-            self.example_input_array = torch.linspace(-2, 2, 32).reshape(4, 8)
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return nn.functional.cross_entropy(self(x), y)
-
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            self.log("val_loss", nn.functional.cross_entropy(self(x), y))
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-''')
+from helpers.export import MODULE
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import ExportBest, OrtCheckpoint
-from test_export import MODULE
+from helpers.export import MODULE
 
 
 def test_export_best_used_directly_exports_the_best_checkpoint_and_logs_it(tmp_path: Path,

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import socket
 import subprocess
@@ -25,7 +24,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import fsspec
@@ -40,9 +38,9 @@ from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import CheckpointContents, save_checkpoint
 from lightning_ort_ckpt.format._fsspec_store import S3_LIMITS, S3FS_ATTEMPTS
 from lightning_ort_ckpt.format._store import store_for
-from test_remote_storage import _s3_env, s3_endpoint  # noqa: F401  (moto's S3 server on 127.0.0.1, a fixture)
+from helpers.s3 import _Proxy
 
-HANG_GUARD_S = 60  # not a timing assertion: only "it did not stall for minutes"
+HANG_GUARD_S = 300  # not a timing assertion: only "it did not stall for minutes" (the first save imports s3fs)
 
 
 # -- 6: a failure at exit ------------------------------------------------------------------------------------------
@@ -94,84 +92,6 @@ def test_an_async_failure_the_program_was_told_of_is_not_reported_again(tmp_path
 
 
 # -- 7: a failed DELETE on S3 --------------------------------------------------------------------------------------
-class _Proxy(ThreadingHTTPServer):
-    """Forwards each request to moto, on 127.0.0.1, except that it answers HTTP 500 to the methods in ``failing``."""
-
-    daemon_threads = True
-
-    def __init__(self, upstream_port: int) -> None:
-        super().__init__(("127.0.0.1", 0), _Forward)
-        self.upstream_port = upstream_port
-        self.failing: set[str] = set()
-        self.failed: list[str] = []  # "METHOD path" of each request answered 500
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Forward(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Proxy
-
-    def _forward(self) -> None:
-        body = self._body()
-        if self.command in self.server.failing:
-            self.server.failed.append(f"{self.command} {self.path}")
-            self._answer(500, [("Content-Type", "application/xml")],
-                         b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
-                         b"<Message>injected by the test</Message></Error>")
-            return
-        upstream = http.client.HTTPConnection("127.0.0.1", self.server.upstream_port, timeout=60)
-        try:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
-            upstream.request(self.command, self.path, body=body, headers=headers)
-            response = upstream.getresponse()
-            self._answer(response.status, response.getheaders(), response.read())
-        finally:
-            upstream.close()
-
-    def _body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            chunks = []
-            while size := int(self.rfile.readline().split(b";")[0], 16):
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-            while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
-                pass
-            return b"".join(chunks)
-        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
-    def _answer(self, status: int, headers: list[tuple[str, str]], payload: bytes) -> None:
-        self.send_response(status)
-        for k, v in headers:
-            if k.lower() not in ("connection", "transfer-encoding", "content-length", "date", "server"):
-                self.send_header(k, v)
-        length = dict((k.lower(), v) for k, v in headers).get("content-length") if self.command == "HEAD" else None
-        self.send_header("Content-Length", length or str(len(payload)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(payload)
-
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def proxy(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Proxy]:  # noqa: F811
-    for name, value in _s3_env(s3_endpoint).items():
-        monkeypatch.setenv(name, value)
-    server = _Proxy(int(s3_endpoint.rsplit(":", 1)[1]))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def _bucket(endpoint: str) -> tuple[str, dict[str, Any]]:

@@ -2,7 +2,9 @@
 and never a hang (opening a FIFO for reading blocks until a writer comes; none ever does here).
 
 Every entry point is tried in one child process, each under its own alarm, so that a regression fails the test of
-that entry point (reported as a hang) instead of hanging the suite; the child as a whole has a timeout too.
+that entry point (reported as a hang) instead of hanging the suite. The child imports everything the entry points
+need (torch, Lightning, the package's Lightning classes) before the first alarm: an alarm bounds a call, never an
+import, however loaded the machine. The child as a whole has a generous bound too (its imports included).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from test_checksums import run_cli
+from helpers.cli import run_cli
 
-ENTRY_SECONDS = 20  # each entry point, in the child: far more than an error takes, far less than a hang
+ENTRY_SECONDS = 20  # each entry point's call, imports done: far more than an error takes, far less than a hang
+CHILD_SECONDS = 600  # the whole child, imports on a loaded machine included: a hang of the child itself
 ENTRY_POINTS = ["format.open_checkpoint", "format.load_checkpoint", "_reading.read_contents",
                 "_reading.is_ort_checkpoint", "OrtCheckpointIO.load_checkpoint", "LightningModule.load_from_checkpoint"]
 
@@ -32,17 +35,19 @@ _CHILD = textwrap.dedent("""
     signal.signal(signal.SIGALRM, hang)
     path, seconds = sys.argv[1], int(sys.argv[2])
 
+    # every import before the first alarm (the Lightning classes of the package load on first use)
+    import pytorch_lightning as pl
+    import torch
+    import lightning_ort_ckpt
+    from lightning_ort_ckpt import _reading, format
+    plugin = lightning_ort_ckpt.OrtCheckpointIO()
+
     def attempts():
-        from lightning_ort_ckpt import format
         yield "format.open_checkpoint", lambda: format.open_checkpoint(path)
         yield "format.load_checkpoint", lambda: format.load_checkpoint(path)
-        from lightning_ort_ckpt import _reading
         yield "_reading.read_contents", lambda: _reading.read_contents(path)
         yield "_reading.is_ort_checkpoint", lambda: _reading.is_ort_checkpoint(path)
-        import lightning_ort_ckpt
-        yield "OrtCheckpointIO.load_checkpoint", lambda: lightning_ort_ckpt.OrtCheckpointIO().load_checkpoint(path)
-        import pytorch_lightning as pl
-        import torch
+        yield "OrtCheckpointIO.load_checkpoint", lambda: plugin.load_checkpoint(path)
 
         class Model(pl.LightningModule):
             def __init__(self):
@@ -93,7 +98,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, di
     for kind, path in _special_files(folder).items():
         try:
             out = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(ENTRY_SECONDS)], capture_output=True,
-                                 text=True, env=env, timeout=ENTRY_SECONDS * (len(ENTRY_POINTS) + 2))
+                                 text=True, env=env, timeout=CHILD_SECONDS)
             lines = out.stdout
         except subprocess.TimeoutExpired as e:
             lines = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")

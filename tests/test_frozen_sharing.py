@@ -16,89 +16,29 @@ import errno
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
+from lightning_ort_ckpt import OrtCheckpointIO
 from lightning_ort_ckpt import _sharing as sharing
-from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint
+from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format import _shared_data as shared
 from lightning_ort_ckpt.format._shared_data import SharedFrozen
 from lightning_ort_ckpt.format._store import store_for
+import forkserver
 from ort_reference import assert_same_checkpoint, assert_same_tensor, ort_api
-from zoo_models import BATCH, ZOO
+from zoo_models import BATCH
+from helpers.frozen import ENTRY, SHARED, Scored, checkpoints, fit, frozen_checkpoint, inode, linked_spec
+from helpers.frozen import second_copy_at_once  # noqa: F401 (autouse)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-ENTRY = next(e for e in ZOO if e.name == "frozen_backbone")
-SHARED = "backbone.2.weight"  # the one frozen tensor large enough to share
-
-
-@pytest.fixture(autouse=True)
-def second_copy_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No window with one copy: the save after a fresh copy waits for the second copy (written in the background),
-    so that saves alternate between the two copies from the first on, as these tests count them
-    (tests/test_sharing_redundancy.py tests the window, with the default)."""
-    monkeypatch.setattr(sharing, "ONE_COPY_SAVES", 0)
-
-
-class Scored(type(ENTRY.build(0))):  # type: ignore[misc]
-    """The zoo's frozen backbone, logging a score that ranks later steps better (for top-k)."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        self.log("score", float(self.global_step))
-        return loss
-
-
-class StateAtSave(pl.Callback):
-    """The module's state_dict at every save, by file name (cloned)."""
-
-    def __init__(self) -> None:
-        self.states: dict[int, dict[str, torch.Tensor]] = {}
-
-    def on_save_checkpoint(self, trainer: Any, module: Any, checkpoint: dict[str, Any]) -> None:
-        self.states[trainer.global_step] = {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def loader() -> DataLoader:
-    x, y = ENTRY.data()
-    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
-
-
-def fit(directory: Path, steps: int = 6, ckpt_path: Any = None, model: Any = None, io: Any = None,
-        extra: tuple[pl.Callback, ...] = (), **callback: Any) -> tuple[pl.Trainer, OrtCheckpoint, StateAtSave]:
-    """Fit the frozen backbone with a save at every step (``callback``: more OrtCheckpoint arguments)."""
-    kwargs = {"every_n_train_steps": 1, "save_top_k": -1, **callback}
-    cb, states = OrtCheckpoint(dirpath=directory, **kwargs), StateAtSave()
-    torch.manual_seed(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[cb, states, *extra], max_steps=steps,
-                         deterministic=True, plugins=[io] if io is not None else None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model if model is not None else ENTRY.build(0), loader(),
-                    ckpt_path=None if ckpt_path is None else str(ckpt_path))
-    atomic.wait_for_cleanup()
-    return trainer, cb, states
-
-
-def checkpoints(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.iterdir() if p.name.endswith(".ckpt") and not p.name.startswith("."))
-
-
-def inode(path: Path) -> int:
-    return os.stat(atomic.data_path(str(path))).st_ino
 
 
 def external(path: Path) -> dict[str, int]:
@@ -385,22 +325,6 @@ def test_remote_paths_are_never_shared() -> None:
 
 
 # -- format level: bytes written, and kills ----------------------------------------------------------------------------
-def frozen_checkpoint(seed: int, frozen_seed: int = 0) -> CheckpointContents:
-    """A fine-tuning state: a 1.5 MiB frozen backbone (from ``frozen_seed``), a head and its AdamW state."""
-    g = torch.Generator().manual_seed(frozen_seed)
-    backbone = {"backbone.0.weight": torch.randn(512, 512, generator=g),
-                "backbone.1.weight": torch.randn(256, 512, generator=g)}
-    h = torch.Generator().manual_seed(seed)
-    head = torch.randn(3, 512, generator=h)
-    moments = {"momentum0": torch.randn(3, 512, generator=h), "momentum1": torch.rand(3, 512, generator=h)}
-    return CheckpointContents(trainable={"head.weight": head},
-                      frozen={**backbone, "bn.running_mean": torch.randn(8, generator=h)},
-                      optimizer_groups={"group0": OptimizerGroup(seed, 0.5, {"head.weight": moments})},
-                      properties={"tag": f"checkpoint-{seed}"})
-
-
-def linked_spec(first: shared.SavedData, source: str) -> SharedFrozen:
-    return SharedFrozen(dict(first.offsets), source, first.identity, dict(first.digests))
 
 
 def written_bytes() -> int:
@@ -469,7 +393,7 @@ def test_resaving_a_path_whose_data_is_the_shared_one(tmp_path: Path) -> None:
 _KILL_DURING_SHARING_SAVE = """
 import os, signal, sys, shutil
 sys.path.insert(0, {tests!r})
-from test_frozen_sharing import frozen_checkpoint, linked_spec
+from helpers.frozen import frozen_checkpoint, linked_spec
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format._shared_data import SharedFrozen
 from lightning_ort_ckpt.format._store import store_for
@@ -517,9 +441,9 @@ POINTS = ["after-link", "before-fsync", "before-replace:.commit", "after-replace
 def test_a_kill_at_any_point_of_a_sharing_save_leaves_earlier_files_intact(tmp_path: Path, point: str,
                                                                             target: str) -> None:
     code = _KILL_DURING_SHARING_SAVE.format(tests=TESTS_DIR)
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), point, target], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    proc = forkserver.spawn(code=code, args=[str(tmp_path), point, target])  # torch and Lightning imported once
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, out + str(err)
     expected = {"a.ckpt": 1, "b.ckpt": 2, "c.ckpt": 3}
     # every file not being saved is intact, byte for byte, and loads; the one being saved is old or new, whole
     a_data = tmp_path / "a.ckpt.data"

@@ -36,8 +36,8 @@ from lightning_ort_ckpt.format import CheckpointContents, CheckpointReader, load
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared
 from ort_reference import assert_same_tensor, ort_api
-from test_frozen_sharing import ENTRY, checkpoints, fit, inode, second_copy_at_once  # noqa: F401 (autouse)
-from test_sharing_redundancy import StartStep, flip, frozen_module, record_read_backs
+from helpers.frozen import ENTRY, checkpoints, fit, inode, second_copy_at_once  # noqa: F401 (autouse)
+from helpers.frozen import StartStep, flip, frozen_module, record_read_backs
 
 FIRST, SECOND = "backbone.2.weight", "backbone.4.weight"  # the two shared frozen tensors
 

@@ -19,10 +19,10 @@ import torch
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
-from test_callback import Net, fit, name
-from test_checksums import run_cli
+from helpers.fits import Net, fit, name
+from helpers.cli import run_cli
 
-CASE_SECONDS = 60
+CASE_SECONDS = 300
 
 
 def resume(tmp_path: Path, ckpt: Any, epochs: int = 2) -> Any:

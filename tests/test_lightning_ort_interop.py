@@ -393,7 +393,7 @@ def test_lightning_resumes_from_a_file_ort_alone_wrote(ort_only, optimizer):
 # -- 4. the CLI ---------------------------------------------------------------------------------------------------
 def test_cli_inspect_shows_the_lightning_summary(lightning_run):
     result = subprocess.run([sys.executable, "-m", "lightning_ort_ckpt", "inspect", lightning_run.path],
-                            capture_output=True, text=True, timeout=60,
+                            capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert result.returncode == 0, result.stderr
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("Lightning checkpoint:")), None)

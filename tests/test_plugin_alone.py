@@ -1,9 +1,9 @@
 """``plugins=[OrtCheckpointIO()]`` with Lightning's own ``ModelCheckpoint`` and no ``BindCheckpointIO``, under the
 sharded strategies (2 CPU processes, gloo, launched as users launch them): the script of
-``tests/test_sharded_strategies.py`` with that one change. The plugin binds itself to the strategy Lightning hands
-it to, so every mode (ModelParallel and FSDP, sharded and full state) saves files that resume bitwise, the
-full-state file is one ORT trains from, and no rank warns. (Single device and the zoo: ``tests/test_zoo.py``; the
-random states of a fit resumed without a callback: ``_train_start``.)"""
+``tests/test_sharded_strategies.py`` (in ``tests/helpers/sharded.py``) with that one change. The plugin binds itself
+to the strategy Lightning hands it to, so every mode (ModelParallel and FSDP, sharded and full state) saves files
+that resume bitwise, the full-state file is one ORT trains from, and no rank warns. (Single device and the zoo:
+``tests/test_zoo.py``; the random states of a fit resumed without a callback: ``_train_start``.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from lightning_ort_ckpt._dcp_storage import is_sharded_checkpoint
 from lightning_ort_ckpt._reading import read_contents
 from ort_reference import ort_api, ort_parameters
-from test_sharded_strategies import CKPT, MODES, SCRIPT, SHARDED, assert_same_state, record, state
+from helpers.sharded import CKPT, MODES, SCRIPT, SHARDED, assert_same_state, record, state
 from launching import launch_script
 
 ALONE = (SCRIPT
@@ -30,8 +30,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp_path = tmp_path_factory.mktemp("alone")
     script = tmp_path / "train.py"
     script.write_text(ALONE)
-    for phase in ("first", "resume"):
-        launch_script(script, [str(tmp_path), phase, ",".join(MODES)], f"the run ({phase})", 300)
+    for phase in ("first", "resume"):  # the bound catches a hang, not a slow start on a loaded machine
+        launch_script(script, [str(tmp_path), f"{phase}={','.join(MODES)}"], f"the run ({phase})", 900)
     return tmp_path
 
 

@@ -1,8 +1,8 @@
 """The portable I/O path: plain reads and writes, fsync and rename, with every Linux-only trick off.
 
-The round-trip and crash-safety suites (and the checksum round trip) run again here with
-``LIGHTNING_ORT_CKPT_PORTABLE_IO=1`` (their tests are imported, so pytest collects them in this module, under its
-autouse fixture). A further test removes the Linux-only calls from ``os``, ``mmap`` and ``ctypes`` altogether, as
+The round-trip and crash-safety tests that touch files (and the checksum round trip) run on both paths where they
+are: the ``io_path`` fixture (``tests/conftest.py``) runs them once as they are and once with
+``LIGHTNING_ORT_CKPT_PORTABLE_IO=1``. Here, a test removes the Linux-only calls from ``os``, ``mmap`` and ``ctypes`` altogether, as
 on Windows, and checks that a save and a load still give the same bytes through feature detection alone.
 """
 
@@ -17,21 +17,14 @@ import pytest
 import torch
 
 from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
-from lightning_ort_ckpt.format import _atomic as atomic, _diskio as diskio
-from lightning_ort_ckpt.format._atomic import _lock
+from lightning_ort_ckpt.format import _diskio as diskio
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
-from test_crash_safety import *  # noqa: F401,F403  (collected again here, on the portable path)
-from test_roundtrip import *  # noqa: F401,F403
-from test_checksums import test_every_tensor_is_recorded_and_verifies  # noqa: F401
 
 
 @pytest.fixture(autouse=True)
 def _portable(monkeypatch):
     monkeypatch.setenv(PORTABLE_IO_ENV, "1")
     assert portable_io()
-    # Without pid probing, the lock file of a writer the crash tests SIGKILL mid-commit is taken over only once it
-    # is LOCK_STALE_S old (2 minutes; test_concurrency tests that rule): here, after 2 s.
-    monkeypatch.setattr(_lock, "LOCK_STALE_S", 2.0)
 
 
 def _state() -> CheckpointContents:

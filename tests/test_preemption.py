@@ -16,15 +16,14 @@ save_on_exception=True)`` and prints what it does; the parent sends SIGTERM mid-
   run that was never interrupted -- except after a SIGTERM during validation, which Lightning does not run again
   (see ``CASES``).
 
-Nothing is mocked. Models stay small so that a case takes a few seconds besides the child's imports.
+Nothing is mocked. Models stay small so that a case takes a few seconds; the child forks from ``tests/forkserver.py``
+(torch and Lightning imported once).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -38,7 +37,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
-from test_resume import ResumableShuffleLoader
+import forkserver
+from helpers.loaders import ResumableShuffleLoader
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 MAX_STEPS = 12  # 2 epochs of 6 batches; validation every 3 training batches
@@ -103,15 +103,36 @@ class Announce(pl.Callback):
         print(f"interrupted {trainer.global_step} {type(exception).__name__} busy={busy}", flush=True)
 
 
+class WaitForSigterm(pl.Callback):
+    """In the child: after the line the parent answers with SIGTERM, wait until the signal has arrived, so that it is
+    handled at the boundary right after that line however loaded the machine (not a batch or a validation later)."""
+
+    def __init__(self, when: str) -> None:
+        self.when = when
+
+    def _wait_after(self, trainer: pl.Trainer, line: str) -> None:
+        if line == self.when:
+            while not trainer.received_sigterm:
+                time.sleep(0.01)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._wait_after(trainer, f"training {trainer.global_step}")  # after Announce printed it
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._wait_after(trainer, f"validating {trainer.global_step} {batch_idx}")  # after validation_step printed it
+
+
 _CHILD = f"""
 import sys
 sys.path.insert(0, {TESTS_DIR!r})
 import pytorch_lightning as pl
 from pathlib import Path
-from test_preemption import Announce, Net, loader, make_callback, make_trainer
-dirpath, width, async_save = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+from test_preemption import Announce, Net, WaitForSigterm, loader, make_callback, make_trainer
+dirpath, width, async_save, when = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
 pl.seed_everything(0, verbose=False)
-make_trainer([Announce(async_save), make_callback(dirpath, async_save)]).fit(Net(width), loader(width), loader(width))
+make_trainer([Announce(async_save), WaitForSigterm(when), make_callback(dirpath, async_save)]).fit(
+    Net(width), loader(width), loader(width))
 print("finished", flush=True)
 """
 
@@ -131,8 +152,8 @@ def run_child(tmp_path: Path, when: str, width: int, async_save: bool) -> tuple[
     """Start the child, SIGTERM it at the line ``when``; its return code, output and the step it was stopped at."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_CHILD))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpts"), str(width), str(int(async_save))],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+    proc = forkserver.spawn(script=str(script), args=[str(tmp_path / "ckpts"), str(width), str(int(async_save)), when],
+                            cwd=str(tmp_path), merge_stderr=True)  # torch and Lightning imported once
     try:
         lines = []
         for line in proc.stdout:

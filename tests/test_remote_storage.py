@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +37,8 @@ from lightning_ort_ckpt.format._store import store_for, strip_protocol
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from ort_reference import assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO, Entry
+from helpers.cli import Net as CliNet
+from helpers.s3 import _free_port, _s3_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = next(e for e in ZOO if e.name == "tied_transformer")  # dropout and shuffling: resume needs the RNG states
@@ -47,49 +46,6 @@ BLOCK = 5 << 20  # S3's smallest part size: uploads of more than this go multipa
 
 
 # -- the S3 server ------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _moto_command(port: int) -> list[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    if os.path.exists(script):
-        return [script, "-H", "127.0.0.1", "-p", str(port)]
-    return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server on a free loopback port, for the whole session."""
-    port = _free_port()
-    server = subprocess.Popen(_moto_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start on {url}") from None
-                time.sleep(0.1)
-        yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _s3_env(endpoint: str) -> dict[str, str]:
-    """How a process without storage_options finds the server: s3fs (botocore) reads these."""
-    return {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint}
 
 
 @dataclass
@@ -504,3 +460,23 @@ def test_an_upload_holds_about_a_block_in_memory_not_the_checkpoint(s3: Store, s
     # a few blocks and writes in flight (30 MiB measured here for 128, 256 and 512 MiB uploads), whatever the
     # checkpoint's size; a buffer of the whole file would be 256 MiB
     assert growth < nbytes // 4, f"peak memory grew by {growth / 2**20:.0f} MiB for a {nbytes >> 20} MiB upload"
+
+
+# -- the command line over an S3 run directory (issue 42, point 5) ------------------------------------------------
+def test_verify_and_inspect_take_an_s3_run_directory(s3: Store, s3_endpoint: str) -> None:
+    callback = OrtCheckpoint(dirpath=s3.root, monitor="val_loss", save_top_k=2, storage_options=s3.options)
+    pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, callbacks=[callback],
+               enable_progress_bar=False, enable_model_summary=False).fit(CliNet())
+    names = sorted(n for n in s3.names() if n.endswith(".ckpt"))
+    assert len(names) == 2, s3.names()
+    env = _s3_env(s3_endpoint)
+    out = run_cli("verify", s3.root, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "half-written" not in out.stdout + out.stderr and "checkpoint.ort-meta" not in out.stderr
+    for name in names:
+        assert f"OK {s3.url(name)}: " in out.stdout, out.stdout
+    assert out.stdout.splitlines()[-1] == "verified 2 checkpoint(s): 2 OK, 0 INVALID"
+    out = run_cli("inspect", s3.root, env=env)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "inspected 2 checkpoint(s): 2 readable, 0 failed"
+    out = run_cli("ls", s3.root, env=env)
+    assert out.returncode == 1 and "ort-ckpt ls lists a local directory" in out.stderr, out.stderr

@@ -44,6 +44,7 @@ from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
 from lightning_ort_ckpt._translation.values import Unsaved
 from ort_reference import assert_same_tensor
+from helpers.loaders import ResumableShuffleLoader
 
 pytestmark = [
     # any reduced save or restore our plugin reports is a failure here, unless a test expects it (pytest.warns)
@@ -333,30 +334,6 @@ def test_native_epoch_boundary_resume_is_not_exact_without_our_rng_states(tmp_pa
 
 
 # -- 3. mid-epoch resume ----------------------------------------------------------------------------------------
-
-
-class ResumableShuffleLoader(DataLoader):
-    """Shuffles like ``DataLoader(shuffle=True)`` (a fresh permutation from torch's global generator per epoch), and
-    resumes mid-epoch: Lightning saves its ``state_dict`` with the loops and hands it back on restart."""
-
-    def __init__(self, dataset: TensorDataset, batch_size: int) -> None:
-        super().__init__(dataset, batch_size=batch_size)
-        self._perm: torch.Tensor | None = None
-        self._next = 0
-        self._resume: tuple[torch.Tensor, int] | None = None
-
-    def __iter__(self) -> Any:
-        perm, start = self._resume if self._resume is not None else (torch.randperm(len(self.dataset)), 0)
-        self._resume, self._perm = None, perm
-        for b in range(start, len(self)):
-            self._next = b + 1
-            yield self.collate_fn([self.dataset[int(i)] for i in perm[b * self.batch_size:(b + 1) * self.batch_size]])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"perm": self._perm, "next": self._next}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resume = (state["perm"], state["next"])
 
 
 class SaveNativeAt(pl.Callback):
@@ -681,7 +658,6 @@ def _damage(manifest: dict[str, Any], how: str) -> None:
         values[RNG_KEY]["python"] = {"__tuple__": [3, _tensor_ref("l2.bias"), None]}
     else:
         raise AssertionError(how)
-
 
 
 @pytest.mark.parametrize("how", [

@@ -134,6 +134,7 @@ def test_every_dtype_and_shape_class(tmp_path, dtype):
             assert info.dtype.to_torch() == dtype
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", ["params", "all"])
 @pytest.mark.parametrize("dtype", NUMERIC_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_every_dtype_external(tmp_path, dtype, mode):
@@ -151,6 +152,7 @@ def test_every_dtype_external(tmp_path, dtype, mode):
                 assert info.offset % info.dtype.external_alignment == 0
 
 
+@pytest.mark.usefixtures("io_path")
 def test_large_tensor(tmp_path):
     big = random_tensor((1024, 1280), torch.float32, seed=1)  # 5 MiB: written directly, not gathered
     big64 = random_tensor((3, 131072), torch.int64, seed=2)  # 3 MiB
@@ -160,6 +162,7 @@ def test_large_tensor(tmp_path):
         roundtrip(tmp_path, ck, mode, name=f"{mode}.ckpt")
 
 
+@pytest.mark.usefixtures("io_path")
 def test_write_paths_give_the_same_bytes(tmp_path, monkeypatch):
     """The writer's fast paths (small pieces gathered into writev, write-behind every few MiB) against plain
     writes: the same bytes, short writes continued where they stopped. 1,500 small tensors pass writev's 1,024-piece
@@ -195,6 +198,7 @@ def test_write_paths_give_the_same_bytes(tmp_path, monkeypatch):
     assert_checkpoints_equal(load_checkpoint(fast), ck)
 
 
+@pytest.mark.usefixtures("io_path")
 def test_non_contiguous_torch_tensors(tmp_path):
     base = random_tensor((6, 8), torch.float32, seed=3)
     cplx = random_tensor((4, 3), torch.complex64, seed=4)
@@ -426,6 +430,7 @@ def test_nominal_checkpoint_metadata(tmp_path):
     assert file_bytes(tmp_path / "nominal_big.ckpt") == file_bytes(path)
 
 
+@pytest.mark.usefixtures("io_path")
 def test_nominal_checkpoint_load_and_resave(tmp_path):
     path = tmp_path / "nominal.ckpt"
     save_checkpoint(_nominal(), path)
@@ -455,6 +460,7 @@ def _external_ck() -> CheckpointContents:
         properties={"epoch": 3, "loss": 0.25, "tag": "ext"})
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", ["never", "auto", "params", "all"])
 def test_external_data_modes(tmp_path, mode):
     ck = _external_ck()
@@ -484,6 +490,7 @@ def test_external_data_modes(tmp_path, mode):
         assert [o for o, _ in offsets] == [0, 24, 32, 96, 144, 148]
 
 
+@pytest.mark.usefixtures("io_path")
 def test_external_data_missing_is_reported(tmp_path):
     path = str(tmp_path / "ck.ckpt")
     save_checkpoint(_external_ck(), path, external_data="params")
@@ -493,6 +500,7 @@ def test_external_data_missing_is_reported(tmp_path):
 
 
 # -- lazy, zero-copy access ---------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("io_path")
 def test_lazy_access_zero_copy_and_unaligned_int64(tmp_path):
     # several int64/double tensors of different lengths: flatbuffers only 4-aligns raw data, so some land at 4 mod 8
     tensors = {f"i{n}": torch.arange(n, dtype=torch.int64) * -(2**40) + n for n in range(1, 7)}
@@ -536,6 +544,7 @@ print("ok")
 """
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", ["never", "params"])
 def test_numpy_arrays_stay_valid_after_close(tmp_path, mode):
     path = str(tmp_path / "ck.ckpt")
@@ -545,14 +554,16 @@ def test_numpy_arrays_stay_valid_after_close(tmp_path, mode):
     assert float(a.sum()) == 4096 * 4095 / 2
 
 
+@pytest.mark.usefixtures("io_path")
 @pytest.mark.parametrize("mode", ["never", "params"])
 def test_torch_tensors_stay_valid_after_close(tmp_path, mode):
     # in a subprocess: the failure mode is a segfault, which would take the whole test run down
     proc = subprocess.run([sys.executable, "-c", _USE_AFTER_CLOSE, str(tmp_path / "ck.ckpt"), mode],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
 
 
+@pytest.mark.usefixtures("io_path")
 def test_lazy_access_external(tmp_path):
     ck = _external_ck()
     path = str(tmp_path / "ck.ckpt")
@@ -575,6 +586,7 @@ def _listing(tmp_path) -> list[str]:
     return sorted(os.listdir(tmp_path))
 
 
+@pytest.mark.usefixtures("io_path")
 def test_save_replaces_existing_checkpoint(tmp_path):
     path = str(tmp_path / "ck.ckpt")
     first = CheckpointContents(trainable={"w": torch.zeros(1000)}, properties={"v": 1})
@@ -590,6 +602,7 @@ def test_save_replaces_existing_checkpoint(tmp_path):
     assert _listing(tmp_path) == ["ck.ckpt"]
 
 
+@pytest.mark.usefixtures("io_path")
 def test_switching_between_external_and_inline(tmp_path):
     path = str(tmp_path / "ck.ckpt")
     ck = _external_ck()

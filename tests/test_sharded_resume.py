@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from launching import launch_script
-from test_remote_storage import _s3_env, s3_endpoint  # noqa: F401 - moto's server on 127.0.0.1
+from helpers.s3 import _s3_env
 
 SCRIPT = r'''
 import glob, json, os, sys, warnings

@@ -5,10 +5,12 @@ AdamW over the trained ones, per-rank random noise in every step: each rank's ra
 ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, on CPU) and ``FSDPStrategy`` (FSDP1), each in both save modes:
 sharded (``save_distributed_checkpoint=True``, ``state_dict_type="sharded"``: a directory, every rank writing its
 own shards) and full (``save_distributed_checkpoint=False``, ``state_dict_type="full"``: Lightning gathers the full
-state, rank 0 writes one ORT file). One launch runs, per mode, the uninterrupted run (8 steps, 2 epochs) and the
-first half of an interrupted one (4 steps, saved at step 4); a second launch, in fresh processes, resumes the half
-run from its step-4 checkpoint; a third resumes the sharded ones at world size 1; a fourth resumes a copy of the half
-run's folder with ``ckpt_path="last"`` and ``save_top_k=1`` (retention of checkpoint directories). Checked:
+state, rank 0 writes one ORT file), and the sharded modes with ``async_save=True``. One launch runs, per mode, the
+uninterrupted run (8 steps, 2 epochs) and the first half of an interrupted one (4 steps, saved at step 4); a second
+launch, in fresh processes, resumes the half run from its step-4 checkpoint, resumes a copy of the sharded half
+runs' folders with ``ckpt_path="last"`` and ``save_top_k=1`` (retention of checkpoint directories), and runs async
+saves that fail; a third resumes the sharded ones at world size 1 (``runs``: every test below reads what these
+three launches left). Checked:
 
 * resume at the same world size is bitwise the uninterrupted run: weights, optimizer state, loop position, and each
   rank's own random states at every step after the resume;
@@ -41,286 +43,34 @@ from lightning_ort_ckpt._dcp_storage import is_sharded_checkpoint
 from lightning_ort_ckpt._reading import read_contents
 from launching import launch_script
 from ort_reference import ort_api, ort_parameters
-
-MODES = ("mp-sharded", "mp-full", "fsdp-sharded", "fsdp-full")
-CKPT = "epoch=0-step=4.ckpt"
-SHARDED = ("mp-sharded", "fsdp-sharded")
-SCRIPT = r'''
-import hashlib, json, os, sys, warnings
-import pytorch_lightning as pl
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from lightning_ort_ckpt import OrtCheckpoint
+from helpers.sharded import ASYNC, CKPT, MODES, SCRIPT, SHARDED, assert_same_state, record, state
 
 
-class Net(pl.LightningModule):
-    def __init__(self, sharded_by_hand):
-        super().__init__()
-        self.sharded_by_hand = sharded_by_hand
-        self.l0, self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 1)
-        self.l0.requires_grad_(False)
-        self.register_buffer("scale", torch.full((1,), 0.5))
-
-    def configure_model(self):
-        if self.sharded_by_hand:
-            from torch.distributed.fsdp import fully_shard
-            mesh = self.device_mesh["data_parallel"]
-            for m in (self.l1, self.l2):
-                fully_shard(m, mesh=mesh)
-            fully_shard(self, mesh=mesh)
-
-    def forward(self, x):
-        return self.l2(torch.tanh(self.l1(self.l0(x)))) * self.scale
-
-    def training_step(self, batch, batch_idx):
-        x = batch[0] + 0.05 * torch.randn_like(batch[0])  # per-rank random numbers decide the run
-        return nn.functional.mse_loss(self(x), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
-
-    def on_fit_start(self):
-        torch.manual_seed(1000 + self.global_rank)
-
-
-class Record(pl.Callback):
-    def __init__(self, out, name):
-        self.out, self.name, self.rng = out, name, {}
-
-    def full_state(self, trainer, pl_module):
-        model = trainer.strategy.model
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = get_model_state_dict(model, options=opts)
-        osd = get_optimizer_state_dict(model, trainer.optimizers[0], options=opts)
-        return {"model": sd, "optim": osd}
-
-    def dump(self, trainer, pl_module, what):
-        state = self.full_state(trainer, pl_module)
-        if trainer.global_rank == 0:
-            torch.save(state, os.path.join(self.out, f"{self.name}.{what}.pt"))
-
-    def on_train_start(self, trainer, pl_module):
-        self.start = trainer.global_step
-        self.dump(trainer, pl_module, "start")
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.rng[trainer.global_step] = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
-
-    def on_fit_end(self, trainer, pl_module):
-        self.dump(trainer, pl_module, "end")
-        with open(os.path.join(self.out, f"{self.name}.rank{trainer.global_rank}.json"), "w") as f:
-            json.dump({"start": self.start, "end": trainer.global_step, "rng": self.rng,
-                       "warnings": [str(w.message) for w in CAUGHT]}, f)
-
-
-def cpu_tolerant_full_state():
-    """Test only: torch's FSDP1 full state dicts with ``offload_to_cpu=True`` (Lightning's, for
-    ``state_dict_type="full"``) count on the move to CPU making a copy; on CPU it is a no-op returning the same memory:
-    (1) ``FlatParamHandle.to_cpu`` then frees the gathered parameters the state dict still views (a segfault),
-    (2) ``_unflatten_orig_param_states`` skips its clone, so every optimizer state of a parameter views one reused
-    gather buffer (``exp_avg`` comes out as ``exp_avg_sq``). On CPU there is nothing to move: these two do on CPU
-    what they do without offloading; on accelerators they are torch's."""
-    import contextlib
-    from torch.distributed.fsdp import _optim_utils
-    from torch.distributed.fsdp._flat_param import FlatParamHandle
-
-    to_cpu, unflatten = FlatParamHandle.to_cpu, _optim_utils._unflatten_orig_param_states
-
-    @contextlib.contextmanager
-    def to_cpu_unless_there(self):
-        if self.device.type == "cpu":
-            yield
-        else:
-            with to_cpu(self):
-                yield
-
-    def unflatten_cloning_on_cpu(info, output_states, state_name, shard_state, to_save, cpu_offload):
-        on_cpu = info.handle.flat_param.device.type == "cpu"
-        unflatten(info, output_states, state_name, shard_state, to_save, cpu_offload and not on_cpu)
-
-    FlatParamHandle.to_cpu = to_cpu_unless_there
-    _optim_utils._unflatten_orig_param_states = unflatten_cloning_on_cpu
-
-
-cpu_tolerant_full_state()
-
-
-class CPUFSDPStrategy(FSDPStrategy):
-    """Test only: FSDPStrategy (FSDP1) on CPU. Lightning refuses ``FSDPStrategy`` itself without CUDA (its accelerator
-    connector checks the exact type, so a subclass passes), and hands FSDP ``device_id=root_device.index``, None on
-    CPU, for which torch asks for an accelerator; with ``device_id=torch.device("cpu")`` torch runs FSDP1 on CPU.
-    This one wraps the module itself with that device and lets Lightning's ``_setup_model`` (which leaves an FSDP
-    module as it is) do the rest; saving and loading are FSDPStrategy's (and so ours) unchanged. With it,
-    ``cpu_tolerant_full_state`` above."""
-
-    def _setup_model(self, model):
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        model = FullyShardedDataParallel(model, cpu_offload=self.cpu_offload,
-                                         mixed_precision=self.mixed_precision_config,
-                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                         **self.kwargs)
-        self.kwargs.pop("auto_wrap_policy", None)  # applied: Lightning would warn that it is ignored
-        return super()._setup_model(model)
-
-
-def strategy(kind, devices):
-    if kind.startswith("mp"):
-        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1,
-                                     save_distributed_checkpoint=kind.startswith("mp-sharded"))
-    return CPUFSDPStrategy(state_dict_type=kind.split("-")[1], auto_wrap_policy={nn.Linear})
-
-
-def fit(out, kind, name, max_steps, devices=2, ckpt_path=None, every=4, top_k=-1, extra=()):
-    pl.seed_everything(0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 8, generator=g)
-    y = torch.sin(x).sum(1, keepdim=True)
-    cb = OrtCheckpoint(os.path.join(out, kind, name), every_n_train_steps=every, save_top_k=top_k,
-                       async_save=kind.endswith("-async"))
-    trainer = pl.Trainer(max_steps=max_steps, strategy=strategy(kind, devices), devices=devices,
-                         accelerator="cpu",
-                         logger=False, callbacks=[Record(out, f"{kind}-{name}"), cb, *extra], num_sanity_val_steps=0,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(Net(kind.startswith("mp")), DataLoader(TensorDataset(x, y), batch_size=4), ckpt_path=ckpt_path)
-    wrapped = sorted(k for k in ("save_checkpoint", "load_checkpoint") if k in vars(trainer.strategy))
-    with open(os.path.join(out, f"{kind}-{name}.wrapped{trainer.global_rank}.json"), "w") as f:
-        json.dump(wrapped, f)  # our methods are gone from the strategy once fit is over
-
-
-def memory_of_full_saves(out):
-    """Rank 0's memory during full-state saves (``mp-full``) of 4 ``nn.Linear(1024, 1024)`` trained by AdamW: the
-    peak above the memory before each save (``VmHWM``, reset through ``/proc/self/clear_refs``; the launcher has glibc
-    map every allocation of 64 KiB or more on its own, so freed memory leaves the RSS at once) and the gathered
-    state's size."""
-    class Wide(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(4))
-
-        def configure_model(self):
-            from torch.distributed.fsdp import fully_shard
-            for layer in self.layers:
-                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
-            fully_shard(self, mesh=self.device_mesh["data_parallel"])
-
-        def training_step(self, batch, batch_idx):
-            x = batch[0]
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return x.square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def kb(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-    trainer = pl.Trainer(max_steps=3, strategy=strategy("mp-full", 2), devices=2, accelerator="cpu", logger=False,
-                         callbacks=[OrtCheckpoint(os.path.join(out, "memory"), every_n_train_steps=1)],
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    save, peaks = trainer.save_checkpoint, []
-
-    def measured_save(*args, **kwargs):
-        before = kb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        save(*args, **kwargs)
-        peaks.append((kb("VmHWM") - before) / 1024)
-
-    trainer.save_checkpoint = measured_save
-    trainer.fit(Wide(), DataLoader(TensorDataset(torch.randn(12, 1024)), batch_size=4))
-    gathered = sum(3 * p.numel() * 4 for p in trainer.lightning_module.parameters()) / 2**20  # AdamW: 2 moments
-    if trainer.global_rank == 0:
-        with open(os.path.join(out, "memory.json"), "w") as f:
-            json.dump({"peaks_mib": peaks, "gathered_mib": gathered}, f)
-
-
-class NoRoomAfterStep1(pl.Callback):
-    """From step 1 on, no file of this process may grow past 256 bytes (the kernel's RLIMIT_FSIZE, its signal
-    ignored): the step-2 save fails as on a full disk, on every rank, while it is written."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        import resource, signal
-        if trainer.global_step == 1:
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (256, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-
-def fit_failing(out, kind):
-    import resource
-    try:
-        fit(out, kind, "failing", 6, every=2, extra=[NoRoomAfterStep1()])
-        error = None
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit[1], limit[1]))
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    with open(os.path.join(out, f"{kind}-failing.error{rank}.json"), "w") as f:
-        json.dump(error, f)
-
-
-out, phase, kinds = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-warnings.simplefilter("ignore")
-with warnings.catch_warnings(record=True) as CAUGHT:
-    warnings.simplefilter("always", UserWarning)
-    for kind in kinds:
-        if phase == "first":
-            fit(out, kind, "full", 8)
-            fit(out, kind, "half", 4)
-        elif phase == "resume":
-            fit(out, kind, "resumed", 8, ckpt_path=os.path.join(out, kind, "half", "epoch=0-step=4.ckpt"))
-        elif phase == "last":  # a copy of the half run's folder: resume from "last", keep the newest save only
-            fit(out, kind, "last", 8, ckpt_path="last", every=2, top_k=1)
-        elif phase == "memory":
-            memory_of_full_saves(out)
-        elif phase == "fail":
-            fit_failing(out, kind)
-        else:
-            fit(out, kind, "resumed1", 8, devices=1, ckpt_path=os.path.join(out, kind, "half", "epoch=0-step=4.ckpt"))
-'''
-
-
-def launch(tmp_path: Path, phase: str, kinds: str, timeout: float = 240, **extra_env: str) -> None:
+def launch(tmp_path: Path, steps: dict[str, tuple[str, ...]], timeout: float = 1200, **extra_env: str) -> None:
+    """One launch of the script (2 ranks, fresh processes) running ``steps`` (phase: kinds) in order. The bound
+    covers the imports and every fit of the launch on a loaded machine: it catches a hang, not a slow start."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    launch_script(script, [str(tmp_path), phase, kinds], f"the run ({phase} {kinds})", timeout, **extra_env)
+    args = [f"{phase}={','.join(kinds)}" for phase, kinds in steps.items()]
+    launch_script(script, [str(tmp_path), *args], f"the run ({' '.join(args)})", timeout, **extra_env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The three launches (about two minutes on two cores); the tests below check what they left."""
+    """Three launches for every test of this module, sync and async kinds together: (1) the uninterrupted runs and
+    the half runs; (2) in fresh processes, rank 0's memory during full-state saves (first, in processes that have
+    saved nothing yet; every allocation of 64 KiB or more mapped on its own, see ``memory_of_full_saves``), the
+    resumes of the half runs, "last" in a copy of each sharded half run's folder, and last the async saves that fail
+    (they leave the file size limit of the processes lowered for a while); (3) the sharded half runs resumed at
+    world size 1."""
     tmp_path = tmp_path_factory.mktemp("sharded")
-    launch(tmp_path, "first", ",".join(MODES))
-    launch(tmp_path, "resume", ",".join(MODES))
-    launch(tmp_path, "one", "mp-sharded,fsdp-sharded")
-    for kind in SHARDED:
+    launch(tmp_path, {"first": MODES + ASYNC})
+    for kind in SHARDED + ASYNC:
         shutil.copytree(tmp_path / kind / "half", tmp_path / kind / "last")
-    launch(tmp_path, "last", ",".join(SHARDED))
+    launch(tmp_path, {"memory": ("mp-full",), "resume": MODES + ASYNC, "last": SHARDED + ASYNC, "fail": ASYNC},
+           MALLOC_MMAP_THRESHOLD_=str(1 << 16))
+    launch(tmp_path, {"one": SHARDED})
     return tmp_path
-
-
-def record(tmp_path: Path, name: str, rank: int) -> dict[str, Any]:
-    return json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
-
-
-def state(tmp_path: Path, name: str, when: str) -> dict[str, Any]:
-    """The full module and optimizer state (gathered by torch's helpers) at the start or end of a fit."""
-    return torch.load(tmp_path / f"{name}.{when}.pt")
-
-
-def assert_same_state(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
-    assert a["model"].keys() == b["model"].keys(), where
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), (where, k)
-    assert a["optim"]["state"].keys() == b["optim"]["state"].keys() and a["optim"]["state"], where
-    for param, moments in a["optim"]["state"].items():
-        for m, t in moments.items():
-            assert torch.equal(t, b["optim"]["state"][param][m]), (where, param, m)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -418,13 +168,12 @@ def test_deepspeed_is_refused_before_training(tmp_path: Path) -> None:
     assert Counting.steps == 0 and not list(tmp_path.iterdir())
 
 
-def test_full_state_save_holds_the_gathered_state_once(tmp_path: Path) -> None:
+def test_full_state_save_holds_the_gathered_state_once(runs: Path) -> None:
     """Rank 0 writes the state Lightning gathered straight from its memory: a save's peak stays under the gathered
     state (48 MiB) plus a small constant (the gather's own buffer for one tensor, 4 MiB, and the writer's
     bookkeeping), every save, the first included. Lightning's ``TorchCheckpointIO`` serializes into memory first:
     twice the state (see ``benchmarks/full_state_save.py``)."""
-    launch(tmp_path, "memory", "mp-full", MALLOC_MMAP_THRESHOLD_=str(1 << 16))
-    measured = json.loads((tmp_path / "memory.json").read_text())
+    measured = json.loads((runs / "memory.json").read_text())
     gathered, peaks = measured["gathered_mib"], measured["peaks_mib"]
     assert len(peaks) == 3 and 47 < gathered < 49
     assert max(peaks) < gathered + 12, peaks  # measured: gathered + 4 MiB
@@ -463,20 +212,11 @@ def test_sharded_tensors_become_dtensors_over_the_same_memory(tmp_path: Path) ->
 
 
 # -- asynchronous sharded saves (issue 34) -----------------------------------------------------------------------
-ASYNC = ("mp-sharded-async", "fsdp-sharded-async")
-
-
 @pytest.fixture(scope="module")
-def async_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The launches of ``runs`` for sharded saves with ``async_save=True``, and one whose step-2 save fails."""
-    tmp_path = tmp_path_factory.mktemp("sharded-async")
-    launch(tmp_path, "first", ",".join(ASYNC))
-    launch(tmp_path, "resume", ",".join(ASYNC))
-    for kind in ASYNC:
-        shutil.copytree(tmp_path / kind / "half", tmp_path / kind / "last")
-    launch(tmp_path, "last", ",".join(ASYNC))
-    launch(tmp_path, "fail", ",".join(ASYNC))
-    return tmp_path
+def async_runs(runs: Path) -> Path:
+    """The launches of ``runs`` ran the sharded saves with ``async_save=True`` too, and the ones whose step-2 save
+    fails."""
+    return runs
 
 
 @pytest.mark.parametrize("mode", ASYNC)

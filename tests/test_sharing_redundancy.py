@@ -30,7 +30,6 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import _cli
-from lightning_ort_ckpt import _frozen_copies as frozen_copies
 from lightning_ort_ckpt import _sharing as sharing
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.format import CheckpointContents, CheckpointReader, load_checkpoint, save_checkpoint
@@ -38,15 +37,11 @@ from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared
 from lightning_ort_ckpt.format._local_store import LocalStore
 from ort_reference import ort_api
-from test_frozen_sharing import ENTRY, SHARED, checkpoints, fit, inode, second_copy_at_once  # noqa: F401 (autouse)
+from helpers.frozen import ENTRY, SHARED, checkpoints, fit, inode, second_copy_at_once  # noqa: F401 (autouse)
+from helpers.frozen import StartStep, flip, frozen_module, record_read_backs
 
 WEIGHT = "weight"  # 2 MiB of frozen float32: shared
 WINDOW = sharing.ONE_COPY_SAVES  # the default (the fixture second_copy_at_once sets none)
-
-
-def frozen_module(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Linear(1024, 512).requires_grad_(False)
 
 
 def save(sh: sharing.FrozenSharing, module: torch.nn.Module, path: Path, tag: str) -> None:
@@ -99,21 +94,6 @@ def held(sh: sharing.FrozenSharing) -> threading.Event:
     gate = threading.Event()
     sh._background(gate.wait, 60)
     return gate
-
-
-def flip(path: Path, keep_mtime: bool) -> None:
-    """Flip one byte in the middle of ``path`` as a disk or a stray write would (mode 0444 stops no root)."""
-    st = path.stat()
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(st.st_size // 2)
-        byte = f.read(1)
-        f.seek(st.st_size // 2)
-        f.write(bytes([byte[0] ^ 0x40]))
-    os.chmod(path, 0o444)
-    if keep_mtime:
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert (path.stat().st_mtime_ns == st.st_mtime_ns) == keep_mtime
 
 
 # -- 1. two independent copies ------------------------------------------------------------------------------------
@@ -219,20 +199,6 @@ def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, 
     flip(data(paths[0]), keep_mtime=True)
     assert shared.write_copy(source, expected, tmp, copy.offsets, copy.layout, copy.digests) == (False, [WEIGHT])
     assert hidden(tmp_path) == []
-
-
-def record_read_backs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """(thread, file name) of every read-back of a copy (``verify_data`` called by ``_frozen_copies``, the copies
-    ``_sharing`` tracks) from now on."""
-    calls: list[tuple[str, str]] = []
-    verify = frozen_copies.verify_data
-
-    def recorded(path: str, *args: Any) -> Any:
-        calls.append((threading.current_thread().name, os.path.basename(path)))
-        return verify(path, *args)
-
-    monkeypatch.setattr(frozen_copies, "verify_data", recorded)
-    return calls
 
 
 def on_worker(calls: list[tuple[str, str]]) -> bool:
@@ -475,12 +441,6 @@ def test_a_clone_where_the_file_system_has_them_else_a_hard_link(tmp_path: Path)
 
 
 # -- 4. resuming ----------------------------------------------------------------------------------------------------
-class StartStep(pl.Callback):
-    def __init__(self) -> None:
-        self.step: int | None = None
-
-    def on_train_start(self, trainer: Any, module: Any) -> None:
-        self.step = trainer.global_step
 
 
 @pytest.mark.parametrize("victim", ["step=6", "last"])

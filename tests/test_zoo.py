@@ -34,9 +34,7 @@ import torch
 pytest.importorskip("onnxruntime.training")
 pl = pytest.importorskip("pytorch_lightning")
 
-from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.artifacts import ArtifactsError, TrainingArtifacts, make_training_artifacts
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.export import export_onnx
@@ -47,6 +45,7 @@ from lightning_ort_ckpt._translation import values
 from lightning_ort_ckpt._translation.lightning_dict import EXTRA_PREFIX, ModuleInfo, aliases_of, to_ort
 from ort_reference import assert_same_tensor, ort_api
 from zoo_models import BATCH, ZOO, Act, Entry, FrozenStemCNN
+from helpers.zoo import MODES, assert_same_state, fit, loader, trainer
 
 api = ort_api()
 ORT_STEPS = 3
@@ -64,42 +63,6 @@ class Capture(pl.Callback):
     def on_train_start(self, trainer: Any, module: Any) -> None:
         self.state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         self.optimizer = trainer.optimizers[0].state_dict()
-
-
-def loader(entry: Entry) -> torch.utils.data.DataLoader:
-    x, y = entry.data()
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True)
-
-
-MODES = ("bind", "alone", "callback")
-"""How the user writes it: ``OrtCheckpointIO`` + ``BindCheckpointIO``; ``OrtCheckpointIO`` alone, beside Lightning's
-own ``ModelCheckpoint`` (saving nothing itself here: ``save_top_k=0``); ``OrtCheckpoint`` (its own plugin)."""
-
-
-def trainer(entry: Entry, callbacks: list[Any] = (), mode: str = "bind", **limits: Any) -> pl.Trainer:
-    ours = {"bind": ([OrtCheckpointIO(**entry.plugin)], [BindCheckpointIO()]),
-            "alone": ([OrtCheckpointIO(**entry.plugin)], [ModelCheckpoint(save_top_k=0)]),
-            "callback": ([], [OrtCheckpoint(save_top_k=0, **entry.plugin)])}
-    plugins, extra = ours[mode]
-    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=mode != "bind", plugins=plugins,
-                      callbacks=[*callbacks, *extra], deterministic=True, **entry.trainer, **limits)
-
-
-def fit(entry: Entry, model: Any, ckpt_path: Any = None, callbacks: list[Any] = (), mode: str = "bind",
-        **limits: Any) -> tuple[pl.Trainer, list[str]]:
-    """Fit, returning the trainer and the CheckpointWarnings raised."""
-    t = trainer(entry, callbacks, mode, **limits)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        t.fit(model, loader(entry), ckpt_path=None if ckpt_path is None else str(ckpt_path))
-    return t, [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
-
-
-def assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
-    assert actual.keys() == expected.keys(), what
-    for k, v in expected.items():
-        assert_same_tensor(actual[k], v, f"{what}: {k}")
 
 
 def assert_same_ort_tensor(actual: torch.Tensor, ort: np.ndarray, what: str) -> None:

@@ -22,7 +22,7 @@ from lightning_ort_ckpt.artifacts import ArtifactsError, make_training_artifacts
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.export import export_onnx
 from ort_reference import ort_api
-from test_zoo import assert_same_state, fit, loader
+from helpers.zoo import assert_same_state, fit, loader
 from zoo_models import Entry, ZooModule, tokens
 
 TINY_BERT = {"vocab_size": 20, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
