@@ -186,9 +186,12 @@ class TrainData:
         return record.offset
 
     def end_fit(self) -> None:
-        """The fit is over: every loader gets its own iterators back; nothing is pending."""
+        """The fit is over: every loader gets its own iterators back, and no record holds an iterator (whose index
+        sampler holds the record: the iterator, with its worker processes, goes when Lightning lets it go, never
+        at a later garbage collection); nothing is pending."""
         for record in self._watched.values():
             _torch_compat.release_iterators(record.loader)
+            record.iterator = None
         self._watched.clear()
         self._pending = []
 

@@ -326,3 +326,33 @@ def test_the_plugin_alone_leaves_no_callback_of_ours_in_the_trainer(tmp_path: Pa
     model, _ = fit(tmp_path / "resumed", "shuffle", "plugin", 24, ckpt_path=str(path), extra=[Look()])
     assert seen == [True]
     assert not [c for c in model.trainer.callbacks if isinstance(c, RestoreRandomStates)]
+
+
+@pytest.mark.parametrize("kind", ["workers", "persistent"])
+def test_a_fit_leaves_no_loader_iterator_to_the_garbage_collector(tmp_path: Path, kind: str) -> None:
+    """With the collector off, a fit's loader iterators (their worker processes) are gone when the fit and its
+    Trainer are: nothing of ours keeps them in a reference cycle until a later collection (which would shut the
+    workers down at a random point of another fit)."""
+    import gc
+    import weakref
+
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    made: list[weakref.ref[Any]] = []
+
+    class Collect(pl.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            made.extend(weakref.ref(o) for o in gc.get_objects() if isinstance(o, _BaseDataLoaderIter))
+
+    gc.collect()
+    gc.disable()
+    try:
+        model, _ = fit(tmp_path, kind, "callback", 24, extra=[Collect()])
+        trainer = model.trainer
+        del model
+        trainer.fit_loop._combined_loader = None  # Lightning's own hold (its Trainer and loops are a cycle of theirs)
+        del trainer
+        alive = {id(r()) for r in made if r() is not None}
+    finally:
+        gc.enable()
+    assert made and not alive, f"{len(alive)} loader iterators kept alive by a reference cycle"
