@@ -35,6 +35,9 @@ pytest.importorskip("onnxruntime.training")
 pl = pytest.importorskip("pytorch_lightning")
 
 
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.artifacts import ArtifactsError, TrainingArtifacts, make_training_artifacts
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.export import export_onnx
