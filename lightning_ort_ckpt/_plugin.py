@@ -104,7 +104,8 @@ class OrtCheckpointIOMixin:
         self._executor = self._executors[bool(async_save)]  # where every save and its file work run
         self._owner: weakref.ref[Any] | None = None
         self._fabric: _fabric.FabricSaves | None = None  # the saves of the Fabric strategy this plugin serves
-        self._unwrap: Any = None  # puts a sharded strategy's own save and load back (``_strategies.attach``)
+        self._attachment: _strategies.Attachment | None = None  # how a sharded strategy is served (``attach``)
+        self._unwrap: Callable[[], None] | None = None  # what ``teardown`` undoes of it
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
         hold_ort_loading(self)
@@ -277,9 +278,10 @@ class OrtCheckpointIOMixin:
         ``FSDPStrategy``), which saves and loads without its ``CheckpointIO``, saves and loads through this plugin
         until :meth:`teardown` (``_strategies``); DeepSpeed is refused here."""
         self._owner = weakref.ref(strategy)
-        if self._unwrap is not None:
-            self._unwrap()
-        self._unwrap = _strategies.attach(strategy, self)
+        if self._attachment is not None:  # bound before (when Lightning assigned it, then by a callback's setup)
+            self._attachment.undo()
+        self._attachment = _strategies.attach(strategy, self)
+        self._unwrap = self._attachment.undo if self._attachment is not None else None
         self._train_start.bind(strategy, self.fast_forward_iterables)
         self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
 
@@ -292,7 +294,7 @@ class OrtCheckpointIOMixin:
             self._fabric = _fabric.FabricSaves(strategy)
             return
         self.bind(strategy)
-        self._unwrap = None
+        self._unwrap = self._attachment.close if self._attachment is not None else None
 
     def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
         """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate

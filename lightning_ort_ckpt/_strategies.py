@@ -26,7 +26,7 @@ refused when the plugin is bound (:class:`CheckpointConfigError`): its ZeRO chec
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal, NamedTuple, Protocol, TYPE_CHECKING
 
 import torch
 
@@ -94,9 +94,19 @@ def kind(strategy: Any) -> Literal["sharded", "full"] | None:
     return None if sharded is None else "sharded" if sharded else "full"
 
 
-def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
-    """Route ``strategy``'s saves and loads through ``plugin`` (its options, its random-state restore); returns what
-    undoes it, or None for a strategy that uses the plugin by itself."""
+class Attachment(NamedTuple):
+    """What :func:`attach` did, and its two undos."""
+
+    undo: Callable[[], None]
+    """The strategy's own save and load back, and the staging memory freed (the plugin's ``teardown``)."""
+    close: Callable[[], None]
+    """The staging memory freed and its step hook removed; the strategy still saves and loads through the plugin
+    (a plugin used alone keeps serving the strategy fit after fit)."""
+
+
+def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
+    """Route ``strategy``'s saves and loads through ``plugin`` (its options, its random-state restore); returns how
+    to undo it, or None for a strategy that uses the plugin by itself."""
     how = kind(strategy)
     if how is None:
         return None
@@ -134,7 +144,7 @@ def attach(strategy: Any, plugin: Plugin) -> Callable[[], None] | None:
         unwrap()
         stager.close()
 
-    return undo
+    return Attachment(undo, stager.close)
 
 
 def _local_shards(strategy: Any) -> tuple[list[torch.Tensor], list[Any]] | None:

@@ -137,6 +137,17 @@ def test_strategy_methods_are_lightnings_after_fit(runs: Path, mode: str) -> Non
         assert json.loads((runs / f"{mode}-resumed.wrapped{rank}.json").read_text()) == []
 
 
+@pytest.mark.parametrize("mode", MODES + ASYNC)
+def test_no_global_optimizer_hook_outlives_a_fit(runs: Path, mode: str) -> None:
+    """torch's global optimizer step hooks, counted in each process after each fit (several fits run in one
+    process, sync and async): none of ours is left, not even one from the plugin's first binding (when Lightning
+    gave it the strategy) that the callback's binding replaced."""
+    counted = sorted(runs.glob(f"{mode}-*.hooks*.json"))
+    assert {p.name.split(".")[0] for p in counted} >= {f"{mode}-full", f"{mode}-half", f"{mode}-resumed"}
+    for path in counted:
+        assert json.loads(path.read_text()) == [0, 0], path.name
+
+
 def test_deepspeed_is_refused_before_training(tmp_path: Path) -> None:
     import pytorch_lightning as pl
     from pytorch_lightning.demos.boring_classes import BoringModel

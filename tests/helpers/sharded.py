@@ -157,6 +157,9 @@ def fit(out, kind, name, max_steps, devices=2, ckpt_path=None, every=4, top_k=-1
     wrapped = sorted(k for k in ("save_checkpoint", "load_checkpoint") if k in vars(trainer.strategy))
     with open(os.path.join(out, f"{kind}-{name}.wrapped{trainer.global_rank}.json"), "w") as f:
         json.dump(wrapped, f)  # our methods are gone from the strategy once fit is over
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+    with open(os.path.join(out, f"{kind}-{name}.hooks{trainer.global_rank}.json"), "w") as f:
+        json.dump([len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)], f)  # after every fit
 
 
 def memory_of_full_saves(out):
