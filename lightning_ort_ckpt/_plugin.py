@@ -197,8 +197,7 @@ class OrtCheckpointIOMixin:
         return checkpoint
 
     def hold(self, path: str, found: Any) -> None:
-        """What ``ckpt_path="last"`` resolution read from ``path`` (an ORT file's contents, or a checkpoint dict):
-        the load that follows takes it instead of reading the file again."""
+        """What resolving ``ckpt_path="last"`` read from ``path``: the load that follows takes it, not a re-read."""
         self._held = (path, found)
 
     def restore_random_states(self, trainer: Any) -> None:
@@ -217,8 +216,7 @@ class OrtCheckpointIOMixin:
         self._executor.run(self._retire, store_for(path, self.storage_options), path)
 
     def _retire(self, store: Store, path: str) -> None:
-        """Remove through the store, keeping a reserve of its shared ``.data`` first where that is the last name
-        of an independent copy (``_sharing``)."""
+        """Remove through the store, first keeping a reserve of a shared ``.data`` that is a copy's last name."""
         if store.links:
             self._sharing.before_remove(path)
         _remove(store, path)
