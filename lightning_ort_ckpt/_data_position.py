@@ -130,8 +130,13 @@ class TrainData:
         loaders = _lightning_adapter.train_loaders(trainer) if trainer is not None else []
         return next((i for i, dl in enumerate(loaders) if dl is loader), None)
 
+    def _peek(self, index: int | None) -> Any:
+        """The saved position training loader ``index`` resumes at, or None."""
+        return self._pending[index] if index is not None and index < len(self._pending) else None
+
     def _take(self, index: int | None) -> Any:
-        pending = self._pending[index] if index is not None and index < len(self._pending) else None
+        """:meth:`_peek`, used up."""
+        pending = self._peek(index)
         if pending is not None:
             self._pending[index] = None  # type: ignore[index]
         return pending
@@ -144,7 +149,7 @@ class TrainData:
         if index is None:
             return original()
         sized = not isinstance(loader.dataset, torch.utils.data.IterableDataset)
-        pending = (self._pending[index] if index < len(self._pending) else None) if sized else self._take(index)
+        pending = self._peek(index) if sized else self._take(index)  # a sized one's is used at its first draw
         creation = pending.get("creation") if pending is not None else None
         before = torch.get_rng_state()
         if isinstance(creation, dict):
