@@ -119,6 +119,10 @@ except Exception as e:  # a failed link: recorded, on every rank
 record.record["reads"] = READS
 with open(os.path.join(out, f"{name}.node{node}.json"), "w") as f:
     json.dump(record.record, f)
+# As a DDP program should end: left to the interpreter's exit, gloo's threads can abort the process
+# ("terminate called without an active exception") when the other rank has already gone.
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
 '''
 
 
