@@ -13,16 +13,15 @@ the newest checkpoint itself.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+import forkserver
 from launching import launch_script
 
 SCRIPT = r'''
@@ -193,22 +192,34 @@ def test_two_ranks_resume_at_their_batch_under_ddp_and_a_sharded_strategy(script
         assert seen(tmp_path, f"{kind}-straight", 0)[8:] != seen(tmp_path, f"{kind}-straight", 1)[8:], kind
 
 
+def _forked(script: Path, args: list[str], cwd: Path) -> tuple[int, str]:
+    """``python script args...`` forked from the fork server (torch and Lightning imported once, the package fresh
+    in each child): its exit status and output."""
+    proc = forkserver.spawn(script=str(script), args=args, cwd=str(cwd), merge_stderr=True)
+    try:
+        output, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"python {script.name} {' '.join(args)} hung (over 300 s)")
+    return proc.returncode, output
+
+
 def test_a_process_killed_at_random_steps_resumes_last_at_its_batch(script: Path, straight: list[Any],
                                                                     tmp_path: Path) -> None:
     """SIGKILL (no handler runs) at random steps of a 20-step run with saves every 3 steps and a worker process;
-    ``fit(ckpt_path="last")`` in a fresh process trains on the uninterrupted run's batches from the newest save."""
+    ``fit(ckpt_path="last")`` in a fresh process (each forked from the fork server, which imported torch and
+    Lightning once) trains on the uninterrupted run's batches from the newest save."""
     kills = sorted(np.random.default_rng(38).choice(np.arange(4, 20), size=3, replace=False).tolist())
     for kill in kills:
         out = tmp_path / f"kill{kill}"
         out.mkdir()
-        proc = subprocess.run([sys.executable, str(script), str(out), f"kill:{kill}", "single"], cwd=str(out),
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        returncode, output = _forked(script, [str(out), f"kill:{kill}", "single"], out)
+        assert returncode == -signal.SIGKILL, output[-3000:]
         trained = seen(out, f"single-kill{kill}")
         assert [s for s, _ in trained] == list(range(kill))
         newest = max(int(p.stem.split("step=")[1]) for p in (out / "single" / "ckpts").glob("*.ckpt"))
-        run(script, out, "last", "single")
+        returncode, output = _forked(script, [str(out), "last", "single"], out)
+        assert returncode == 0, output[-3000:]
         resumed = seen(out, "single-last")
         assert trained[:newest] + resumed == straight, f"killed at step {kill}, resumed from step {newest}"
 
@@ -221,11 +232,11 @@ def test_a_sigterm_save_inside_an_epoch_resumes_last_at_its_batch(script: Path, 
     term = int(np.random.default_rng(39).integers(4, 19))
     out = tmp_path / "term"
     out.mkdir()
-    proc = subprocess.run([sys.executable, str(script), str(out), f"term:{term}", "single"], cwd=str(out),
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert "Received SIGTERM" in proc.stderr, proc.stderr[-3000:]
+    _, output = _forked(script, [str(out), f"term:{term}", "single"], out)
+    assert "Received SIGTERM" in output, output[-3000:]
     trained = seen(out, f"single-term{term}")
     saved = max(int(p.stem.split("step=")[1].split("-")[0]) for p in (out / "single" / "ckpts").glob("*.ckpt"))
     assert saved == term + 1 == len(trained), (saved, term, len(trained))  # the step in progress, finished and saved
-    run(script, out, "last", "single")
+    returncode, output = _forked(script, [str(out), "last", "single"], out)
+    assert returncode == 0, output[-3000:]
     assert trained + seen(out, "single-last") == straight, f"SIGTERM at step {term}"
