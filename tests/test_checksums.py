@@ -207,7 +207,7 @@ def test_every_loading_entry_point_names_the_damaged_tensor(trained, tmp_path):
     assert out.returncode == 1 and "'layer.weight'" in out.stderr and str(bad) in out.stderr
     assert "Traceback" not in out.stderr
     module_file = tmp_path / "netmod.py"
-    module_file.write_text("from test_callback import Net\n")
+    module_file.write_text("from helpers.fits import Net\n")
     out = run_cli("export", bad, "--module", f"{module_file}:Net", "--output", tmp_path / "m.onnx")
     assert out.returncode == 1 and "'layer.weight'" in out.stderr and "Traceback" not in out.stderr, out.stderr
     good = run_cli("verify", trained / name(1, 8))

@@ -243,10 +243,10 @@ def test_cli_export_failures_are_one_line(tmp_path, good):
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('this module fails at import')\n")
     needs_args = tmp_path / "needsargs.py"
-    needs_args.write_text("from test_callback import Net\n"
+    needs_args.write_text("from helpers.fits import Net\n"
                           "class Needy(Net):\n    def __init__(self, width):\n        super().__init__()\n")
     with_input = tmp_path / "withinput.py"
-    with_input.write_text("import torch\nfrom test_callback import Net\n"
+    with_input.write_text("import torch\nfrom helpers.fits import Net\n"
                           "class WithInput(Net):\n    example_input_array = torch.zeros(1, 4)\n"
                           "    def forward(self, x):\n        return self.layer(x)\n")
     unwritable = tmp_path / "ro"

@@ -15,34 +15,11 @@ import torch
 from lightning_ort_ckpt import OrtCheckpoint, open_checkpoint
 from lightning_ort_ckpt._cli import main as ort_ckpt
 from lightning_ort_ckpt.errors import CheckpointWarning
+from helpers.loggers import Net
 
 mlflow = pytest.importorskip("mlflow")  # the dev extra installs mlflow-skinny
 from mlflow.artifacts import download_artifacts  # noqa: E402
 from pytorch_lightning.loggers import MLFlowLogger  # noqa: E402
-
-
-class Net(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(8, 2)
-
-    def training_step(self, batch: Any, _: int) -> torch.Tensor:
-        loss = self.layer(batch[0]).square().mean()
-        self.log("loss", loss)
-        return loss
-
-    def validation_step(self, batch: Any, _: int) -> None:
-        self.log("val_loss", self.layer(batch[0]).square().mean())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self) -> Any:
-        g = torch.Generator().manual_seed(0)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g)),
-                                           batch_size=4)
-
-    val_dataloader = train_dataloader
 
 
 def _fit(logger: Any, dirpath: Path, max_epochs: int, ckpt_path: str | None = None) -> OrtCheckpoint:

@@ -20,8 +20,8 @@ from torch import nn
 
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
-from test_callback import Net, files_after_fit, fit, name
-from test_checksums import run_cli
+from helpers.cli import run_cli
+from helpers.fits import Net, files_after_fit, fit, name
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 from lightning_ort_ckpt import OrtCheckpoint, OrtWandbLogger
 from lightning_ort_ckpt._cli import main as ort_ckpt
 from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
-from test_loggers import Net
+from helpers.loggers import Net
 
 pytest.importorskip("wandb")  # the dev extra installs it
 
