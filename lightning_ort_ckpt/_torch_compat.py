@@ -1,6 +1,6 @@
 """Every private name of torch this package uses, in one place (as ``_lightning_adapter`` holds Lightning's and
-``format/_fsspec_compat`` fsspec's). ``tests/test_one_house.py`` fails on a private attribute of torch's objects
-read anywhere else, so a torch release that renames one of these breaks here, in one named function.
+``format/_fsspec_compat`` fsspec's). ``tests/conformance/test_one_house.py`` fails on a private attribute of torch's
+objects read anywhere else, so a torch release that renames one of these breaks here, in one named function.
 
 - ``Tensor._version``: the counter torch bumps on every in-place change of a tensor; frozen sharing and the
   asynchronous stager use it to know whether a tensor changed since they looked (no copy, no hash).

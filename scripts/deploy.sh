@@ -17,7 +17,8 @@ echo "deploy tests on onnxruntime $("$VENV/bin/python" -c 'import onnxruntime; p
   "(no onnxruntime-training)"
 # Each file's tests run whole, except the one that makes ORT training artifacts (onnxruntime-training only): it is
 # deselected here, by name, and runs in the main suite.
-exec "$VENV/bin/python" -m pytest tests/test_export.py tests/test_export_tied.py tests/test_export_callback.py \
-  tests/test_export_runtime.py tests/test_export_safetensors.py tests/test_loading.py tests/test_cli.py tests/test_schema.py \
-  tests/test_callback_differential.py \
-  --deselect tests/test_export.py::test_torch_checkpoints_export_and_make_artifacts "$@"
+exec "$VENV/bin/python" -m pytest tests/export_cli/test_export.py tests/export_cli/test_export_tied.py \
+  tests/export_cli/test_export_callback.py tests/export_cli/test_export_runtime.py \
+  tests/export_cli/test_export_safetensors.py tests/export_cli/test_loading.py tests/export_cli/test_cli.py \
+  tests/format/test_schema.py tests/conformance/test_callback_differential.py \
+  --deselect tests/export_cli/test_export.py::test_torch_checkpoints_export_and_make_artifacts "$@"

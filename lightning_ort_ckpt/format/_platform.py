@@ -7,7 +7,7 @@ Linux (and some Unix) calls make saves and loads faster or safer: ``O_DIRECT`` a
 directory and ``os.kill(pid, 0)`` to tell a live writer from a dead one (``atomic``). Each use is feature-detected
 where it is made, and each has a portable fallback: plain reads and writes, ``stat`` before ``open``, ``fsync`` and
 ``rename``, which every platform has. Setting the environment variable ``LIGHTNING_ORT_CKPT_PORTABLE_IO=1`` turns
-every trick off, so the portable path can be used (and is tested, ``tests/test_portable_io.py``) on Linux.
+every trick off, so the portable path can be used (and is tested, ``tests/format/test_portable_io.py``) on Linux.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Slots and defaults of ``schema/ort_training_checkpoint.fbs``, for the hand-written reader and writer.
 
-tests/test_schema.py parses the .fbs and checks these numbers against it, so the schema stays the source of truth.
+tests/format/test_schema.py parses the .fbs and checks these numbers against it, so the schema stays the source of
+truth.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Checkpoints of the crash-safety tests and their child processes (forked from ``forkserver``), which save, die
-and leave what the tests inspect (tests/test_crash_safety.py, tests/test_atomic_limits.py, tests/test_concurrency.py)."""
+and leave what the tests inspect (tests/format/test_crash_safety.py, tests/format/test_atomic_limits.py,
+tests/format/test_concurrency.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup
 from lightning_ort_ckpt.format import _atomic as atomic
 
-import forkserver
+from helpers import forkserver
 
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # what a child puts on sys.path

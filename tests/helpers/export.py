@@ -1,5 +1,5 @@
-"""The LightningModule the export tests write to a file and name by ``module:Class`` (tests/test_export.py,
-tests/test_export_callback.py)."""
+"""The LightningModule the export tests write to a file and name by ``module:Class`` (tests/export_cli/test_export.py,
+tests/export_cli/test_export_callback.py)."""
 
 from __future__ import annotations
 

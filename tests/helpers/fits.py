@@ -1,5 +1,6 @@
 """The small fit of the callback tests: a linear model, 8 samples in batches of 2 (4 steps an epoch), validation
-logging ``val_loss`` from a list indexed by epoch, seed 0 (tests/test_callback.py and the tests that reuse it)."""
+logging ``val_loss`` from a list indexed by epoch, seed 0 (tests/checkpointing/test_callback.py and the tests that reuse
+it)."""
 
 from __future__ import annotations
 

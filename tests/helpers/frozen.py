@@ -1,5 +1,5 @@
 """The frozen backbone of the frozen-sharing tests: its fits, saves and the files they leave, and the fixture that
-makes saves alternate copies from the first (tests/test_frozen_sharing.py, test_sharing_redundancy.py,
+makes saves alternate copies from the first (tests/lightning_side/test_frozen_sharing.py, test_sharing_redundancy.py,
 test_healing.py)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared
 from lightning_ort_ckpt.format._shared_data import SharedFrozen
 
-from zoo_models import BATCH, ZOO
+from helpers.zoo_models import BATCH, ZOO
 
 
 ENTRY = next(e for e in ZOO if e.name == "frozen_backbone")
@@ -36,7 +36,7 @@ SHARED = "backbone.2.weight"  # the one frozen tensor large enough to share
 def second_copy_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """No window with one copy: the save after a fresh copy waits for the second copy (written in the background),
     so that saves alternate between the two copies from the first on, as these tests count them
-    (tests/test_sharing_redundancy.py tests the window, with the default)."""
+    (tests/lightning_side/test_sharing_redundancy.py tests the window, with the default)."""
     monkeypatch.setattr(sharing, "ONE_COPY_SAVES", 0)
 
 

@@ -1,4 +1,5 @@
-"""A DataLoader that shuffles and resumes mid-epoch (tests/test_resume.py, tests/test_preemption.py)."""
+"""A DataLoader that shuffles and resumes mid-epoch (tests/translation/test_resume.py,
+tests/conformance/test_preemption.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The model the logger tests fit (tests/test_loggers.py, tests/test_wandb_logger.py): one linear layer that logs
-``loss`` and ``val_loss``, 16 seeded samples in batches of 4."""
+"""The model the logger tests fit (tests/lightning_side/test_loggers.py, tests/lightning_side/test_wandb_logger.py): one
+linear layer that logs ``loss`` and ``val_loss``, 16 seeded samples in batches of 4."""
 
 from __future__ import annotations
 

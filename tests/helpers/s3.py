@@ -1,5 +1,5 @@
 """moto's S3 server on 127.0.0.1 for the session, the environment that finds it, and a proxy in front of it that
-can fail chosen requests (tests/test_remote_storage.py and the S3 tests that reuse them)."""
+can fail chosen requests (tests/format/test_remote_storage.py and the S3 tests that reuse them)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The training script of the sharded-strategy tests (ModelParallel and FSDP, sharded and full state, sync and
-async), its modes, and how its records are read and compared (tests/test_sharded_strategies.py,
-tests/test_plugin_alone.py)."""
+async), its modes, and how its records are read and compared (tests/lightning_side/test_sharded_strategies.py,
+tests/checkpointing/test_plugin_alone.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The zoo's fits (tests/test_zoo.py, tests/test_zoo_third_party.py): a zoo entry trained by a real Trainer with
-our plugin written three ways, and bitwise comparison of states."""
+"""The zoo's fits (tests/conformance/test_zoo.py, tests/conformance/test_zoo_third_party.py): a zoo entry trained by a
+real Trainer with our plugin written three ways, and bitwise comparison of states."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.errors import CheckpointWarning
 
-from ort_reference import assert_same_tensor
-from zoo_models import BATCH, Entry
+from helpers.ort_reference import assert_same_tensor
+from helpers.zoo_models import BATCH, Entry
 
 
 def loader(entry: Entry) -> torch.utils.data.DataLoader:

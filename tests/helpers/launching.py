@@ -1,0 +1,58 @@
+"""Multi-process runs the tests start themselves: a free port on 127.0.0.1, and a training script launched the way
+users launch one (``python train.py``; Lightning's launcher starts the other ranks), with a bounded timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_script(script: Path, args: list[str], what: str, timeout: float, **extra_env: str) -> None:
+    """Run ``script`` with ``args`` in its folder on a fresh loopback port; fail the test, with the run's output,
+    if it does not end within ``timeout`` seconds or exits non-zero."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONWARNINGS": "ignore",
+           **extra_env}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
+        env.pop(name, None)  # the launcher decides these
+    try:
+        proc = subprocess.run([sys.executable, str(script), *args], env=env, cwd=str(script.parent),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{what} hung:\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+
+
+def launch_ranks(script: Path, args: list[str], world_size: int, timeout: float, **extra_env: str) -> None:
+    """Run ``script`` once per rank (``RANK``, ``WORLD_SIZE`` and torch.distributed's ``env://`` rendezvous on a
+    fresh loopback port, the package of this checkout importable); fail the test with a rank's output if a rank
+    does not end within ``timeout`` seconds or exits non-zero."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+               **extra_env}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+    try:
+        logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{script.name} {' '.join(args)}: a rank did not end within {timeout:.0f} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
