@@ -1,0 +1,180 @@
+"""Checkpoint tiers: a fast node-local tier beside ``dirpath`` (``OrtCheckpoint(local=LocalTier(...))``).
+
+Real Trainers on the small fit of ``helpers.fits`` (a linear model, 4 steps an epoch): the fast tier saves every K
+steps with its own retention, in the format and with the commit of every save; ``fit(ckpt_path="last")`` takes the
+newest step of any tier, the fast one first, falls back past a damaged or wiped fast tier, never to scratch while a
+tier holds a readable checkpoint, and resumes bit for bit. With moto's S3 as the persistent tier, a valid fast tier
+means no object of the store is read (the requests are counted at the endpoint). The processes that get real
+signals (SIGTERM, SLURM's SIGUSR1) are in ``tests/test_tiers_signals.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
+from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
+from helpers.fits import Net, fit, files_after_fit, name
+
+from test_checksums import damaged_copy
+
+
+def weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}
+
+
+def callback(persistent: Path | str, fast: Path, every: int = 1, keep: int = 2, **kwargs: Any) -> OrtCheckpoint:
+    """Persistent saves every 4 steps (once an epoch), the fast tier every ``every`` steps."""
+    return OrtCheckpoint(persistent, every_n_train_steps=4, save_top_k=-1,
+                         local=LocalTier(fast, every_n_train_steps=every, keep=keep), **kwargs)
+
+
+def step_of(path: Path | str) -> int:
+    return int(read_lightning_checkpoint(path)["global_step"])
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    """The weights of an uninterrupted fit of 8 steps, without any checkpoint."""
+    return weights(fit(pl.Callback(), 2, enable_checkpointing=False))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_the_fast_tier_saves_every_k_steps_and_keeps_the_newest(tmp_path: Path, async_save: bool) -> None:
+    fast, persistent = tmp_path / "fast", tmp_path / "persistent"
+    fit(callback(persistent, fast, every=2, keep=2, async_save=async_save), 2)  # 8 steps
+    assert files_after_fit(fast) == {"step=6.ckpt", "step=8.ckpt"}  # steps 2 and 4 rotated out
+    for step in (6, 8):
+        load_checkpoint(fast / f"step={step}.ckpt")  # whole, every checksum verified
+        assert step_of(fast / f"step={step}.ckpt") == step
+    assert files_after_fit(persistent) == {name(0, 4), name(1, 8)}  # the persistent tier as without a fast one
+
+
+def test_keep_one_keeps_one(tmp_path: Path) -> None:
+    fit(callback(tmp_path / "persistent", tmp_path / "fast", every=1, keep=1), 1)
+    assert files_after_fit(tmp_path / "fast") == {"step=4.ckpt"}
+
+
+def test_arguments_are_checked(tmp_path: Path) -> None:
+    for bad in ({"every_n_train_steps": 0}, {"keep": 0}, {"keep": 1.5}, {"every_n_train_steps": True}):
+        with pytest.raises(CheckpointConfigError, match="LocalTier"):
+            LocalTier(tmp_path, **bad)
+    with pytest.raises(CheckpointConfigError, match="node-local"):
+        LocalTier("s3://bucket/run")
+    with pytest.raises(CheckpointConfigError, match="folder of its own"):
+        OrtCheckpoint(tmp_path, local=LocalTier(tmp_path))
+    with pytest.raises(CheckpointConfigError, match="LocalTier or None"):
+        OrtCheckpoint(tmp_path, local=str(tmp_path / "fast"))  # type: ignore[arg-type]
+
+
+def interrupted(tmp_path: Path, steps: int, **kwargs: Any) -> tuple[Path, Path]:
+    """A fit stopped after ``steps`` steps: the persistent tier holds step 4, the fast tier the last two steps."""
+    fast, persistent = tmp_path / "fast", tmp_path / "persistent"
+    fit(callback(persistent, fast, **kwargs), 2, max_steps=steps)
+    return fast, persistent
+
+
+def resumed(fast: Path, persistent: Path | str, **kwargs: Any) -> Any:
+    return fit(callback(persistent, fast, **kwargs), 2, ckpt_path="last")
+
+
+def test_last_resumes_from_the_fast_tier_bit_for_bit(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    fast, persistent = interrupted(tmp_path, 6)
+    assert files_after_fit(fast) == {"step=5.ckpt", "step=6.ckpt"}
+    assert files_after_fit(persistent) == {name(0, 4)}
+    trainer = resumed(fast, persistent)
+    assert trainer.ckpt_path == str(fast / "step=6.ckpt")
+    assert trainer.lightning_module.steps_run == 2  # steps 7 and 8 only
+    after = weights(trainer)
+    assert after.keys() == reference.keys()
+    assert all(torch.equal(after[k], reference[k]) for k in after)
+    assert files_after_fit(fast) == {"step=7.ckpt", "step=8.ckpt"}  # the resumed fit's saves rotate the old out
+
+
+def test_a_damaged_fast_checkpoint_falls_back_to_the_next_newest(tmp_path: Path,
+                                                                 reference: dict[str, torch.Tensor]) -> None:
+    fast, persistent = interrupted(tmp_path, 6)
+    newest = fast / "step=6.ckpt"
+    damaged_copy(newest, tmp_path / "bad.ckpt").replace(newest)
+    with pytest.warns(CheckpointWarning, match="step=6.ckpt cannot be resumed from"):
+        trainer = resumed(fast, persistent)
+    assert trainer.ckpt_path == str(fast / "step=5.ckpt")
+    assert trainer.lightning_module.steps_run == 3
+    assert all(torch.equal(v, reference[k]) for k, v in weights(trainer).items())
+
+
+@pytest.mark.parametrize("how", ["wiped", "every file damaged"])
+def test_a_lost_fast_tier_falls_back_to_the_persistent_tier(tmp_path: Path, how: str,
+                                                            reference: dict[str, torch.Tensor]) -> None:
+    fast, persistent = interrupted(tmp_path, 6)
+    for path in fast.iterdir():
+        if how == "wiped":
+            path.unlink()
+        else:
+            damaged_copy(path, tmp_path / "bad.ckpt").replace(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        trainer = resumed(fast, persistent)
+    assert trainer.ckpt_path == str(persistent / name(0, 4))  # never from scratch beside a readable checkpoint
+    assert trainer.lightning_module.steps_run == 4
+    assert all(torch.equal(v, reference[k]) for k, v in weights(trainer).items())
+
+
+def test_a_stale_fast_tier_loses_to_a_newer_persistent_step(tmp_path: Path) -> None:
+    """A fast folder left on a node by an earlier part of the run (step 2) while another node went on to step 4:
+    the newest step wins, wherever it is."""
+    fast, persistent = interrupted(tmp_path, 4, every=2, keep=1)
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    fit(callback(tmp_path / "other", stale, every=2, keep=1), 2, max_steps=2)
+    trainer = resumed(stale, persistent, every=2, keep=1)
+    assert trainer.ckpt_path == str(persistent / name(0, 4))
+
+
+def test_nothing_anywhere_starts_from_step_0(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="no checkpoint yet"):
+        trainer = resumed(tmp_path / "fast", tmp_path / "persistent")
+    assert trainer.ckpt_path is None and trainer.lightning_module.steps_run == 8
+
+
+def test_a_valid_fast_tier_reads_no_object_of_the_persistent_store(tmp_path: Path, proxy: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   reference: dict[str, torch.Tensor]) -> None:
+    """moto's S3 (through the counting proxy) as the persistent tier: the resume from the fast tier lists the
+    store (names, sizes, dates: to know that it holds no newer step) but reads none of its objects."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # what opens the store without our options is counted too
+    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": proxy.url}}
+    bucket = f"tiers-{os.getpid()}-{id(tmp_path) % 100000}"
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    persistent = f"s3://{bucket}/run"
+    fast = tmp_path / "fast"
+    fit(callback(persistent, fast, storage_options=options), 2, max_steps=6)
+    assert fsspec.filesystem("s3", **options).ls(f"{bucket}/run", refresh=True) == [f"{bucket}/run/{name(0, 4)}"]
+    proxy.requests.clear()
+    trainer = fit(callback(persistent, fast, storage_options=options), 2, ckpt_path="last", max_steps=6)
+    assert trainer.ckpt_path == str(fast / "step=6.ckpt")
+    reads = [r for r in proxy.requests if r.startswith("GET ") and not _listing(r)]
+    assert reads == [], reads
+    assert any(_listing(r) for r in proxy.requests), proxy.requests  # it did look at the store
+    # and with the fast tier gone, the same command resumes from the store
+    for path in fast.iterdir():
+        path.unlink()
+    proxy.requests.clear()
+    trainer = fit(callback(persistent, fast, storage_options=options), 2, ckpt_path="last")
+    assert trainer.ckpt_path == f"{persistent}/{name(0, 4)}"
+    assert [r for r in proxy.requests if r.startswith("GET ") and not _listing(r)]
+    assert all(torch.equal(v, reference[k]) for k, v in weights(trainer).items())
+
+
+def _listing(request: str) -> bool:
+    """A request for the names in a bucket (``ListObjectsV2``), not for an object's bytes."""
+    return "list-type=" in request or request.split("?")[0].count("/") <= 1
