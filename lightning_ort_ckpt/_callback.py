@@ -265,6 +265,11 @@ class OrtCheckpointMixin(_Base):
 
     # -- saving, retention, links (_retention) -------------------------------------------------------------------
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        with self._tier.promoting(trainer, filepath, self.checkpoint_io, self.save_weights_only) \
+                if self._tier is not None else contextlib.nullcontext():
+            self._save_persistent(trainer, filepath)
+
+    def _save_persistent(self, trainer: Any, filepath: str) -> None:
         if self.verbose and self._verdict is not Verdict.RANKED:  # (ModelCheckpoint logs a ranked save itself)
             _log_save(self, trainer, filepath)
         if self._verdict is Verdict.LAST:  # the last file (any CHECKPOINT_NAME_LAST template) is not one of the newest

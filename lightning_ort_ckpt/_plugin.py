@@ -40,7 +40,7 @@ from typing import Any, Literal
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import _fabric, _lightning_adapter, _rng, _sharing, _signals, _staging, _strategies, _train_start
+from . import _fabric, _lightning_adapter, _promotion, _rng, _sharing, _signals, _staging, _strategies, _train_start
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
@@ -109,6 +109,7 @@ class OrtCheckpointIOMixin:
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
         self._reentry = _signals.Reentry()  # its calls in progress: a save in a signal handler waits for them
+        self._promotions: dict[str, str] = {}  # a path's next save -> the fast-tier path it is written to first
         hold_ort_loading(self)
         _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
@@ -141,7 +142,8 @@ class OrtCheckpointIOMixin:
                         storage_options: Any | None = None) -> None:
         self._raise_background_error()
         options = self._options(storage_options)
-        path = local_path(path)
+        target = local_path(path)
+        path = self._promotions.pop(target, target)  # written once, into the fast tier, then copied (_promotion)
         ck, strategy = self._contents(checkpoint, path)
         module = strategy.lightning_module if strategy is not None else None
         store = store_for(path, options)
@@ -150,8 +152,18 @@ class OrtCheckpointIOMixin:
             ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
             module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, decided.keep)
         self._executor.run(decided.write, ck, path, keep, store)
-        if _signals.must_be_durable(path):  # Lightning's requeue save: the job is requeued, and killed, next
+        if path != target:
+            self._executor.run(_promotion.copy_verified, path, target, store_for(target, options))
+        if _signals.must_be_durable(target):  # Lightning's requeue save: the job is requeued, and killed, next
             self.wait()
+
+    def promote(self, target: str | os.PathLike[str], source: str | None) -> None:
+        """The next save of ``target`` goes to ``source`` (a fast-tier path), and is copied to ``target`` from there
+        (``_promotion``); ``source=None`` takes that back."""
+        if source is None:
+            self._promotions.pop(local_path(target), None)
+        else:
+            self._promotions[local_path(target)] = local_path(source)
 
     def _contents(self, checkpoint: dict[str, Any], path: str) -> tuple[CheckpointContents, Any]:
         """What is saved, as ORT contents, and the strategy whose live module holds its tensors (None for a gathered

@@ -15,12 +15,14 @@ resumes, so a valid fast tier is the only one read, and a damaged or wiped one f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from . import _registry
+from . import _registry, _strategies
 from ._retention import Ledger
 from .errors import CheckpointConfigError
 from .format._store import Store, local_path, store_for
@@ -53,6 +55,12 @@ class LocalTier:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CheckpointConfigError(f"LocalTier.{name} must be an int >= 1, got {value!r}")
+
+
+class Promoter(Protocol):
+    """The plugin, as a promotion asks it to write a save into the fast tier first (``_promotion``)."""
+
+    def promote(self, target: str, source: str | None) -> None: ...
 
 
 class FastTier:
@@ -93,12 +101,32 @@ class FastTier:
     def save(self, trainer: Any) -> None:
         """Save the current step here (the whole state, whatever ``save_weights_only`` says of ``dirpath``), then
         let the oldest beyond ``keep`` go: deleted after the new one is durable (the plugin runs both in order)."""
+        with self._saving(trainer) as path:
+            trainer.save_checkpoint(path, weights_only=False)
+
+    @contextlib.contextmanager
+    def _saving(self, trainer: Any) -> Iterator[str]:
         path = self.store.join(self.dirpath, f"step={trainer.global_step}{self.extension}")
         self.ledger.saving(path)
-        trainer.save_checkpoint(path, weights_only=False)
+        yield path
         self.saved_step = trainer.global_step
         for old in self.ledger.release(()):
             trainer.strategy.remove_checkpoint(old)
+
+    @contextlib.contextmanager
+    def promoting(self, trainer: Any, filepath: str, io: Promoter, weights_only: bool) -> Iterator[None]:
+        """Around a persistent save of ``filepath``: where the fast tier is due at this step too, the save is written
+        here and copied to ``filepath`` (``_promotion``), and counts as this step's fast-tier save. Not for
+        weights-only saves (the fast tier holds whole states), nor for the sharded strategies (a folder)."""
+        if weights_only or not self.due(trainer) or _strategies.kind(trainer.strategy) is not None:
+            yield
+            return
+        with self._saving(trainer) as path:
+            io.promote(filepath, path)
+            try:
+                yield
+            finally:
+                io.promote(filepath, None)  # a save that failed (or another rank's: only rank 0 writes) consumed none
 
     def on_exception(self, trainer: Any, exception: BaseException) -> None:
         """A SIGTERM (Lightning's ``SIGTERMException``, raised at a batch boundary): the current step, saved here

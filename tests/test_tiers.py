@@ -22,8 +22,10 @@ import torch
 
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
-from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
-from helpers.fits import Net, fit, files_after_fit, name
+from lightning_ort_ckpt._promotion import copy_verified
+from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning, CorruptCheckpointError
+from lightning_ort_ckpt.format._store import store_for
+from helpers.fits import fit, files_after_fit, make_trainer, name, run_fit
 
 from test_checksums import damaged_copy
 
@@ -178,3 +180,49 @@ def test_a_valid_fast_tier_reads_no_object_of_the_persistent_store(tmp_path: Pat
 def _listing(request: str) -> bool:
     """A request for the names in a bucket (``ListObjectsV2``), not for an object's bytes."""
     return "list-type=" in request or request.split("?")[0].count("/") <= 1
+
+
+class DumpsPerStep(pl.Callback):
+    """Counts the checkpoint dicts Lightning builds at each step (every ``trainer.save_checkpoint`` builds one)."""
+
+    def __init__(self) -> None:
+        self.dumps: dict[int, int] = {}
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self.dumps[trainer.global_step] = self.dumps.get(trainer.global_step, 0) + 1
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_persistent_save_on_a_fast_step_is_the_fast_file_copied(tmp_path: Path, async_save: bool) -> None:
+    """Steps 4 and 8 are saved by both tiers: the checkpoint is built and written once, into the fast tier, and the
+    persistent file is a copy of it, byte for byte."""
+    fast, persistent, dumps = tmp_path / "fast", tmp_path / "persistent", DumpsPerStep()
+    trainer = make_trainer(callback(persistent, fast, async_save=async_save), 2)
+    trainer.callbacks.insert(0, dumps)
+    run_fit(trainer)
+    assert dumps.dumps == {step: 1 for step in range(1, 9)}  # one save a step, steps 4 and 8 included
+    assert files_after_fit(persistent) == {name(0, 4), name(1, 8)}
+    assert (persistent / name(1, 8)).read_bytes() == (fast / "step=8.ckpt").read_bytes()
+    load_checkpoint(persistent / name(0, 4))
+    assert step_of(persistent / name(0, 4)) == 4
+
+
+def test_weights_only_persistent_saves_are_not_promoted(tmp_path: Path) -> None:
+    """The fast tier holds whole states: a weights-only persistent file is saved on its own."""
+    fast, persistent = tmp_path / "fast", tmp_path / "persistent"
+    fit(callback(persistent, fast, save_weights_only=True), 1)
+    assert "optimizer_states" not in read_lightning_checkpoint(persistent / name(0, 4))
+    assert read_lightning_checkpoint(fast / "step=4.ckpt")["optimizer_states"]
+
+
+def test_a_damaged_fast_file_is_never_promoted(tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    fit(callback(tmp_path / "persistent", fast), 1)
+    bad = damaged_copy(fast / "step=4.ckpt", tmp_path / "bad.ckpt")
+    target = tmp_path / "copy" / "promoted.ckpt"
+    target.parent.mkdir()
+    with pytest.raises(CorruptCheckpointError, match="bad.ckpt"):
+        copy_verified(str(bad), str(target), store_for(str(target)))
+    assert not os.listdir(target.parent)
+    copy_verified(str(fast / "step=4.ckpt"), str(target), store_for(str(target)))
+    assert target.read_bytes() == (fast / "step=4.ckpt").read_bytes()
