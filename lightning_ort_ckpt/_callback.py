@@ -44,7 +44,7 @@ from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
 from ._resume import ResumeFallback
 from ._preservation import Preservation
 from ._save_decision import SaveDecision, Verdict
-from ._tiers import FastTier, LocalTier
+from ._tiers import LocalTier, tier
 from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
 from .format._store import StorageOptions, Store, local_path, store_for
 from .format._writer import ExternalData
@@ -95,8 +95,7 @@ class OrtCheckpointMixin(_Base):
         for ``not save_weights_only``), ``keep_newest`` (keep the newest N files, ORT's ``max_num_checkpoints``),
         ``resume_fallback`` (``"scratch"``: ``ckpt_path="last"`` trains from scratch where no checkpoint of
         ``dirpath`` can be resumed, instead of raising), ``checkpoint_io`` or the five ``OrtCheckpointIO`` settings
-        for the plugin built here, ``export_best_to`` and ``export_tolerance`` (an ``ExportBest`` callback),
-        ``local`` (a fast node-local tier saved every K steps: ``_tiers.LocalTier``).
+        for the plugin built here, ``export_best_to``/``export_tolerance`` (``ExportBest``), ``local`` (``LocalTier``).
 
         Raises:
             CheckpointConfigError: an argument, or a combination of them, is invalid.
@@ -133,9 +132,7 @@ class OrtCheckpointMixin(_Base):
         self._hook = Hook.OTHER
         self._resumption = _resume.Resumption(resume_fallback)
         self._preservation = Preservation(keep_newest, self._resumption, self.FILE_EXTENSION)
-        if local is not None and not isinstance(local, LocalTier):
-            raise CheckpointConfigError(f"local must be a LocalTier or None, got {type(local).__name__}")
-        self._tier = FastTier(local, self.FILE_EXTENSION, dirpath) if local is not None else None
+        self._tier = tier(local, self.FILE_EXTENSION, dirpath)  # (_tiers: nothing without local=)
         _lightning_adapter.LAST_RESOLUTION.hold_while(self)
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -158,8 +155,7 @@ class OrtCheckpointMixin(_Base):
             _lightning_adapter.set_checkpoint_filesystem(self, str(self.dirpath), self.checkpoint_io.storage_options)
         _agree_on_last(self, trainer, stage)
         _loggers.check_loggers(trainer)
-        if self._tier is not None and stage == "fit":
-            self._tier.setup(trainer)
+        self._tier.setup(trainer, stage)
 
     @property
     def include_optimizer_state(self) -> bool:
@@ -200,15 +196,12 @@ class OrtCheckpointMixin(_Base):
         return _for_now(self, "_hook", hook, Hook.OTHER)
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-        with self._in(Hook.BATCH_END, trainer):
+        with self._in(Hook.BATCH_END, trainer), self._tier.around_saves(trainer, self):
             super().on_train_batch_end(trainer, *args, **kwargs)
-        if self._tier is not None and self._tier.due(trainer):
-            self._tier.save(trainer)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        super().on_exception(trainer, pl_module, exception)
-        if self._tier is not None:
-            self._tier.on_exception(trainer, exception)
+        with self._tier.around_saves(trainer, self, exception):
+            super().on_exception(trainer, pl_module, exception)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         with self._in(Hook.EPOCH_END, trainer):
@@ -265,11 +258,6 @@ class OrtCheckpointMixin(_Base):
 
     # -- saving, retention, links (_retention) -------------------------------------------------------------------
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
-        with self._tier.promoting(trainer, filepath, self.checkpoint_io, self.save_weights_only) \
-                if self._tier is not None else contextlib.nullcontext():
-            self._save_persistent(trainer, filepath)
-
-    def _save_persistent(self, trainer: Any, filepath: str) -> None:
         if self.verbose and self._verdict is not Verdict.RANKED:  # (ModelCheckpoint logs a ranked save itself)
             _log_save(self, trainer, filepath)
         if self._verdict is Verdict.LAST:  # the last file (any CHECKPOINT_NAME_LAST template) is not one of the newest
@@ -318,8 +306,7 @@ class OrtCheckpointMixin(_Base):
         rank_zero = trainer.global_rank == 0
         if rank_zero:
             self._preservation.take_half(entries)
-        if self._tier is not None:  # every tier's, nearest first (_tiers)
-            entries = self._tier.nearest_first(entries, trainer)
+        entries = self._tier.nearest_first(entries, trainer)  # every tier's, nearest first (_tiers)
         found = self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
                                       io=bound_plugin(trainer) or self.checkpoint_io,
                                       storage_options=self.checkpoint_io.storage_options,

@@ -109,7 +109,7 @@ class OrtCheckpointIOMixin:
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
         self._reentry = _signals.Reentry()  # its calls in progress: a save in a signal handler waits for them
-        self._promotions: dict[str, str] = {}  # a path's next save -> the fast-tier path it is written to first
+        self._promotion: Callable[[str], str | None] | None = None  # where a save goes first (_tiers, _promotion)
         hold_ort_loading(self)
         _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
@@ -143,7 +143,7 @@ class OrtCheckpointIOMixin:
         self._raise_background_error()
         options = self._options(storage_options)
         target = local_path(path)
-        path = self._promotions.pop(target, target)  # written once, into the fast tier, then copied (_promotion)
+        path = (self._promotion(target) if self._promotion else None) or target  # a fast-tier path first, copied
         ck, strategy = self._contents(checkpoint, path)
         module = strategy.lightning_module if strategy is not None else None
         store = store_for(path, options)
@@ -157,13 +157,10 @@ class OrtCheckpointIOMixin:
         if _signals.must_be_durable(target):  # Lightning's requeue save: the job is requeued, and killed, next
             self.wait()
 
-    def promote(self, target: str | os.PathLike[str], source: str | None) -> None:
-        """The next save of ``target`` goes to ``source`` (a fast-tier path), and is copied to ``target`` from there
-        (``_promotion``); ``source=None`` takes that back."""
-        if source is None:
-            self._promotions.pop(local_path(target), None)
-        else:
-            self._promotions[local_path(target)] = local_path(source)
+    def promote(self, source: Callable[[str], str | None] | None) -> None:
+        """Until called again, a save of a path for which ``source`` names another (a fast-tier path) is written there
+        and then copied to its path (``_promotion``); None: saves go where they are asked to."""
+        self._promotion = source
 
     def _contents(self, checkpoint: dict[str, Any], path: str) -> tuple[CheckpointContents, Any]:
         """What is saved, as ORT contents, and the strategy whose live module holds its tensors (None for a gathered

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,7 +60,39 @@ class LocalTier:
 class Promoter(Protocol):
     """The plugin, as a promotion asks it to write a save into the fast tier first (``_promotion``)."""
 
-    def promote(self, target: str, source: str | None) -> None: ...
+    def promote(self, source: Callable[[str], str | None] | None) -> None: ...
+
+
+class Saver(Protocol):
+    """The callback whose saves the fast tier goes along with."""
+
+    save_weights_only: bool
+    checkpoint_io: Any  # a Promoter
+
+    def _confined(self, path: str) -> bool: ...
+
+
+class NoTier:
+    """Without ``local=``: nothing changes."""
+
+    def setup(self, trainer: Any, stage: str) -> None:
+        pass
+
+    def around_saves(self, trainer: Any, callback: Saver,
+                     exception: BaseException | None = None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def nearest_first(self, persistent: list[_registry.Entry], trainer: Any) -> list[_registry.Entry]:
+        return persistent
+
+
+def tier(local: LocalTier | None, extension: str, persistent: str | os.PathLike[str] | None) -> FastTier | NoTier:
+    """The tier ``OrtCheckpoint(local=...)`` asks for."""
+    if local is None:
+        return NoTier()
+    if not isinstance(local, LocalTier):
+        raise CheckpointConfigError(f"local must be a LocalTier or None, got {type(local).__name__}")
+    return FastTier(local, extension, persistent)
 
 
 class FastTier:
@@ -78,9 +110,11 @@ class FastTier:
         self.ledger = Ledger(options.keep)
         self.saved_step: int | None = None  # the step of its newest save in this fit
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: Any, stage: str) -> None:
         """A new fit: the folder made (on every node), and on rank 0 the checkpoints already there handed to
         retention, oldest step first, so that this fit's saves rotate them out."""
+        if stage != "fit":
+            return
         os.makedirs(self.dirpath, exist_ok=True)
         self.ledger, self.saved_step = Ledger(self.options.keep), None
         if trainer.is_global_zero:
@@ -92,49 +126,52 @@ class FastTier:
     def entries(self) -> list[_registry.Entry]:
         return _registry.scan(self.dirpath, self.store, extension=self.extension)
 
-    def due(self, trainer: Any) -> bool:
-        """Whether the step training just finished is one the fast tier saves and has not saved yet."""
+    def due(self, trainer: Any, exception: BaseException | None = None) -> bool:
+        """Whether the fast tier saves the step training just finished: every K steps, and at a SIGTERM (Lightning's
+        ``SIGTERMException``, raised at a batch boundary, in a fit) whatever the step; other exceptions save nothing
+        here (the state they leave is not one to resume from by default). Never twice a step."""
         step = trainer.global_step
-        return (step > 0 and step % self.options.every_n_train_steps == 0 and step != self.saved_step
-                and not trainer.sanity_checking and not trainer.fast_dev_run)
-
-    def save(self, trainer: Any) -> None:
-        """Save the current step here (the whole state, whatever ``save_weights_only`` says of ``dirpath``), then
-        let the oldest beyond ``keep`` go: deleted after the new one is durable (the plugin runs both in order)."""
-        with self._saving(trainer) as path:
-            trainer.save_checkpoint(path, weights_only=False)
-
-    @contextlib.contextmanager
-    def _saving(self, trainer: Any) -> Iterator[str]:
-        path = self.store.join(self.dirpath, f"step={trainer.global_step}{self.extension}")
-        self.ledger.saving(path)
-        yield path
-        self.saved_step = trainer.global_step
-        for old in self.ledger.release(()):
-            trainer.strategy.remove_checkpoint(old)
+        if exception is not None:
+            scheduled = type(exception).__name__ == "SIGTERMException" and \
+                getattr(trainer.state.fn, "value", None) == "fit"
+        else:
+            scheduled = step % self.options.every_n_train_steps == 0
+        return (scheduled and step > 0 and step != self.saved_step and not trainer.sanity_checking
+                and not trainer.fast_dev_run)
 
     @contextlib.contextmanager
-    def promoting(self, trainer: Any, filepath: str, io: Promoter, weights_only: bool) -> Iterator[None]:
-        """Around a persistent save of ``filepath``: where the fast tier is due at this step too, the save is written
-        here and copied to ``filepath`` (``_promotion``), and counts as this step's fast-tier save. Not for
-        weights-only saves (the fast tier holds whole states), nor for the sharded strategies (a folder)."""
-        if weights_only or not self.due(trainer) or _strategies.kind(trainer.strategy) is not None:
+    def around_saves(self, trainer: Any, callback: Saver, exception: BaseException | None = None) -> Iterator[None]:
+        """Around ``ModelCheckpoint``'s saves at a batch's end (with ``exception``: at an exception), where the fast
+        tier is due: the first save into ``dirpath`` is written here and copied there (promoted, ``_promotion``),
+        and is this step's fast-tier save; where there was none, the fast tier saves the step after them (the whole
+        state, whatever ``save_weights_only`` says of ``dirpath``). A weights-only save is not promoted (the fast
+        tier holds whole states), nor a sharded strategy's (``_strategies``: folders)."""
+        if not self.due(trainer, exception):
             yield
             return
-        with self._saving(trainer) as path:
-            io.promote(filepath, path)
-            try:
-                yield
-            finally:
-                io.promote(filepath, None)  # a save that failed (or another rank's: only rank 0 writes) consumed none
+        path = self.store.join(self.dirpath, f"step={trainer.global_step}{self.extension}")
+        promoted: list[str] = []
 
-    def on_exception(self, trainer: Any, exception: BaseException) -> None:
-        """A SIGTERM (Lightning's ``SIGTERMException``, raised at a batch boundary): the current step, saved here
-        before the exit (the strategy's teardown then waits for it). Other exceptions save nothing here: the state
-        they leave is not one to resume from by default."""
-        if type(exception).__name__ == "SIGTERMException" and trainer.global_step != self.saved_step \
-                and trainer.global_step > 0:
-            self.save(trainer)
+        def source(target: str) -> str | None:
+            if promoted or not callback._confined(target):
+                return None
+            promoted.append(target)
+            return path
+
+        promoting = not callback.save_weights_only and _strategies.kind(trainer.strategy) is None
+        if promoting:
+            callback.checkpoint_io.promote(source)
+        try:
+            yield
+        finally:
+            if promoting:
+                callback.checkpoint_io.promote(None)
+        self.ledger.saving(path)
+        if not promoted:
+            trainer.save_checkpoint(path, weights_only=False)
+        self.saved_step = trainer.global_step
+        for old in self.ledger.release(()):  # deleted after the new file is durable (the plugin runs both in order)
+            trainer.strategy.remove_checkpoint(old)
 
     def nearest_first(self, persistent: list[_registry.Entry], trainer: Any) -> list[_registry.Entry]:
         """"last"'s candidates in every tier (module doc)."""
