@@ -68,6 +68,7 @@ class Saver(Protocol):
 
     save_weights_only: bool
     checkpoint_io: Any  # a Promoter
+    _last_global_step_saved: int  # ModelCheckpoint's: the step of its newest save, on every rank alike
 
     def _confined(self, path: str) -> bool: ...
 
@@ -149,13 +150,14 @@ class FastTier:
         if not self.due(trainer, exception):
             yield
             return
-        path = self.store.join(self.dirpath, f"step={trainer.global_step}{self.extension}")
-        promoted: list[str] = []
+        step, before = trainer.global_step, callback._last_global_step_saved
+        path = self.store.join(self.dirpath, f"step={step}{self.extension}")
+        taken: list[str] = []
 
-        def source(target: str) -> str | None:
-            if promoted or not callback._confined(target):
+        def source(target: str) -> str | None:  # asked by the plugin of the rank that writes (rank 0)
+            if taken or not callback._confined(target):
                 return None
-            promoted.append(target)
+            taken.append(target)
             return path
 
         promoting = not callback.save_weights_only and _strategies.kind(trainer.strategy) is None
@@ -167,7 +169,8 @@ class FastTier:
             if promoting:
                 callback.checkpoint_io.promote(None)
         self.ledger.saving(path)
-        if not promoted:
+        # decided alike on every rank (a save is a collective): did ModelCheckpoint save into dirpath just now?
+        if not (promoting and callback._last_global_step_saved == step != before):
             trainer.save_checkpoint(path, weights_only=False)
         self.saved_step = trainer.global_step
         for old in self.ledger.release(()):  # deleted after the new file is durable (the plugin runs both in order)
