@@ -5,7 +5,8 @@ state every K steps into a node-local folder (RAM or local NVMe) besides the per
 N steps, on metric, top k, "last"), and keeps the newest ``keep`` there. A fast-tier save is an ordinary save of the
 plugin (``trainer.save_checkpoint``: same format, same atomic commit, same checksums, a sharded folder under a
 sharded strategy, in the background with ``async_save=True``); retention is the pure rule of ``_retention``; the
-folder is listed by ``_registry``. A SIGTERM (``SIGTERMException``) saves the current step there before the exit.
+folder is listed by ``_registry``. A SIGTERM (``SIGTERMException``) saves the current step there before the exit. A
+persistent save on a step the fast tier is due at is written once, there, and copied to ``dirpath`` (``_promotion``).
 
 ``fit(ckpt_path="last")`` takes the newest step of any tier (:func:`nearest_first`): the registry's listings of
 the fast tier, ``dirpath`` and the SLURM ``hpc_ckpt_N.ckpt`` files of the Trainer's ``default_root_dir``, merged

@@ -4,8 +4,10 @@ Real Trainers on the small fit of ``helpers.fits`` (a linear model, 4 steps an e
 steps with its own retention, in the format and with the commit of every save; ``fit(ckpt_path="last")`` takes the
 newest step of any tier, the fast one first, falls back past a damaged or wiped fast tier, never to scratch while a
 tier holds a readable checkpoint, and resumes bit for bit. With moto's S3 as the persistent tier, a valid fast tier
-means no object of the store is read (the requests are counted at the endpoint). The processes that get real
-signals (SIGTERM, SLURM's SIGUSR1) are in ``tests/test_tiers_signals.py``.
+means no object of the store is read (the requests are counted at the endpoint). A persistent save on a fast-tier
+step is the fast file, copied (promotion), never a damaged one. The processes that get real signals (SIGTERM,
+SLURM's SIGUSR1) are in ``tests/test_tiers_signals.py``, the 2-rank runs (ModelParallel, DDP) in
+``tests/test_tiers_sharded.py``.
 """
 
 from __future__ import annotations
