@@ -15,6 +15,11 @@ step it resumed from. Lost steps per kill = the last step the killed child repor
 from (the child may have finished one step more than it reported, so the true loss can be one more). Goal: <= 1
 step at K=1, and never a start from scratch.
 
+**SIGTERM.** The same fit gets SIGTERM at a random step and point (``--sigterms`` trials, alternately sync and
+async), the fast tier every 5 steps (so that the step it stops at is mostly one only the SIGTERM saves); Lightning
+stops it at the next batch boundary, where the fast tier saves the current step. Counted: the
+fits whose "last" resumes at the very step they stopped at, and the time from the signal to the process's exit.
+
 **Overhead.** A ``--params-m`` million-parameter MLP (blocks of ``Linear(d, 4d)``, ``Linear(4d, d)``) with AdamW
 trains ``--steps`` steps (``--threads`` torch threads, 1 by default) three ways in one process, in turn: no checkpointing, the fast tier every step with
 ``async_save=True``, every 10 steps (the folder in ``/dev/shm`` where it exists, as the tier is meant to be used).
@@ -62,13 +67,17 @@ class Small(pl.LightningModule):
 
 
 class Reports(pl.Callback):
-    """Writes ``<step>\\n`` to a pipe at each batch's start: the steps before it are finished and their saves asked."""
+    """Writes ``<step>\\n`` to a pipe at each batch's start (the steps before it are finished and their saves
+    asked), and ``x<step>\\n`` at an exception (a SIGTERM's: the step the fit stops at)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         os.write(self.fd, f"{trainer.global_step}\n".encode())
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        os.write(self.fd, f"x{trainer.global_step}\n".encode())
 
 
 def _data(width: int, n: int) -> DataLoader:
@@ -82,9 +91,9 @@ def _trainer(callbacks: list[pl.Callback], steps: int, **kwargs: Any) -> pl.Trai
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
 
-def _callback(root: str, async_save: bool) -> OrtCheckpoint:
+def _callback(root: str, async_save: bool, every: int = 1) -> OrtCheckpoint:
     return OrtCheckpoint(os.path.join(root, "persistent"), every_n_train_steps=20, save_top_k=-1,
-                         async_save=async_save, local=LocalTier(os.path.join(root, "fast"), 1, 2))
+                         async_save=async_save, local=LocalTier(os.path.join(root, "fast"), every, 2))
 
 
 def _in_child(run: Any) -> int:
@@ -130,7 +139,7 @@ def one_kill(root: str, async_save: bool, rng: random.Random) -> tuple[int, int]
                 break
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
-            reported = max([reported, *(int(line) for line in lines if line)])
+            reported = max([reported, *(int(line) for line in lines if line and line[:1] != b"x")])
     time.sleep(rng.uniform(0, 0.03))
     os.kill(pid, signal.SIGKILL)
     while True:  # what it reported before the kill landed
@@ -138,9 +147,14 @@ def one_kill(root: str, async_save: bool, rng: random.Random) -> tuple[int, int]
         if not chunk:
             break
         buffer += chunk
-    reported = max([reported, *(int(line) for line in buffer.split(b"\n") if line)])
+    reported = max([reported, *(int(line) for line in buffer.split(b"\n") if line and line[:1] != b"x")])
     os.close(read)
     os.waitpid(pid, 0)
+    return reported, _resumed_step(root)
+
+
+def _resumed_step(root: str) -> int:
+    """The step ``fit(ckpt_path="last")`` resumes from, in a forked process."""
     read, write = os.pipe()
 
     def resume() -> None:
@@ -155,8 +169,67 @@ def one_kill(root: str, async_save: bool, rng: random.Random) -> tuple[int, int]
         text = out.read().decode().strip()
     _, status = os.waitpid(pid, 0)
     if status != 0 or not text:
-        raise RuntimeError(f"the resume after a kill at step {reported} failed (status {status})")
-    return reported, int(text)
+        raise RuntimeError(f"the resume in {root} failed (status {status})")
+    return int(text)
+
+
+def one_sigterm(root: str, async_save: bool, rng: random.Random) -> tuple[int, int, float] | None:
+    """SIGTERM at a random point: (the step the fit stopped at, the newest step committed in the fast tier and
+    resumed from, seconds from the signal to the process's exit); None where the fit ended before the signal landed
+    (its steps take milliseconds: the pipe may be read behind them)."""
+    read, write = os.pipe()
+    signal_at = rng.randint(3, KILL_STEPS - 5)
+
+    def train() -> None:
+        os.close(read)
+        pl.seed_everything(0, verbose=False)
+        _trainer([Reports(write), _callback(root, async_save, every=5)], KILL_STEPS).fit(Small(), _data(64, 4096))
+
+    pid = _in_child(train)
+    os.close(write)
+    buffer = b""
+    while not any(line.isdigit() and int(line) >= signal_at for line in buffer.split(b"\n")):
+        chunk = os.read(read, 4096)
+        if not chunk:
+            break
+        buffer += chunk
+    time.sleep(rng.uniform(0, 0.03))
+    sent = time.perf_counter()
+    os.kill(pid, signal.SIGTERM)
+    os.waitpid(pid, 0)
+    took = time.perf_counter() - sent
+    while chunk := os.read(read, 4096):
+        buffer += chunk
+    os.close(read)
+    stopped = [int(line[1:]) for line in buffer.split(b"\n") if line[:1] == b"x"]
+    if not stopped:
+        return None
+    return stopped[0], _resumed_step(root), took
+
+
+def sigterms(trials: int, seed: int) -> None:
+    rng = random.Random(seed + 1)
+    rows: dict[bool, list[tuple[int, int, float]]] = {False: [], True: []}
+    late = 0
+    for trial in range(trials):
+        root = tempfile.mkdtemp(prefix="tiers-term-")
+        try:
+            got = one_sigterm(root, bool(trial % 2), rng)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        if got is None:
+            late += 1
+        else:
+            rows[bool(trial % 2)].append(got)
+    print(f"\n## SIGTERM at random points ({trials} trials, in training; fast tier every 5 steps)\n")
+    print("| saves | trials | current step committed and resumed from | signal to exit: median | max |")
+    print("|---|---|---|---|---|")
+    for async_save, done in rows.items():
+        exact = sum(1 for stopped, resumed, _ in done if stopped == resumed)
+        times = [t for _, _, t in done] or [float("nan")]
+        print(f"| {'async' if async_save else 'sync'} | {len(done)} | {exact}/{len(done)} | "
+              f"{statistics.median(times):.2f} s | {max(times):.2f} s |")
+    print(f"\n{late} trial(s) ended their fit before the signal landed (not counted).")
 
 
 def lost_work(kills: int, seed: int) -> None:
@@ -247,6 +320,7 @@ def overhead(params_m: float, steps: int, rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--sigterms", type=int, default=10)
     parser.add_argument("--params-m", type=float, default=25.0)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
@@ -255,7 +329,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"python {' '.join(sys.argv)}; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     if args.kills:
-        lost_work(args.kills, args.seed)  # first: it forks, and the parent must not have run a torch op yet
+        lost_work(args.kills, args.seed)  # first: they fork, and the parent must not have run a torch op yet
+    if args.sigterms:
+        sigterms(args.sigterms, args.seed)
     torch.set_num_threads(args.threads)  # one: training and the writer thread share 2 cores without oversubscribing
     overhead(args.params_m, args.steps, args.rounds)
 
