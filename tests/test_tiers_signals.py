@@ -7,6 +7,9 @@
   Lightning saves ``hpc_ckpt_1.ckpt`` through our plugin from inside its signal handler and requeues the job;
   "last" then takes the newest of the hpc file, the fast tier and ``dirpath``: the hpc file when the job is killed
   before the fast tier saved anything newer, the fast tier's step when training went on after it.
+* A SIGUSR1 that lands inside one of our synchronous saves: the handler's save runs once that save returns.
+* Two DDP ranks under ``SLURMEnvironment``, launched as ``srun`` would (the SLURM variables of each task): SIGUSR1,
+  then SIGTERM, to both; a relaunch resumes both ranks from the fast tier.
 
 The children fork from ``tests/forkserver.py`` and train the model of ``tests/test_preemption.py`` on a plain
 shuffled ``DataLoader``.
@@ -14,6 +17,7 @@ shuffled ``DataLoader``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -285,3 +289,101 @@ def test_a_requeue_signal_inside_a_save_saves_once_that_save_returns(tmp_path: P
     assert read_lightning_checkpoint(hpc)["global_step"] == 4
     # the hpc file was written after the interrupted save had finished writing step 4's file
     assert hpc.stat().st_mtime_ns >= step_file.stat().st_mtime_ns
+
+
+_RANKS = f"""
+import json, os, sys, time
+sys.path.insert(0, {TESTS_DIR!r})
+import pytorch_lightning as pl
+from pathlib import Path
+from pytorch_lightning.plugins.environments import SLURMEnvironment
+from test_tiers_signals import Net, Waits, loader, make_callback, WIDTH
+
+root, phase = Path(sys.argv[1]), sys.argv[2]
+
+
+class Record(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        with open(root / f"{{phase}}.rank{{trainer.global_rank}}.json", "w") as f:
+            json.dump({{"start": trainer.global_step, "ckpt_path": trainer.ckpt_path and str(trainer.ckpt_path)}}, f)
+
+
+pl.seed_everything(0, verbose=False)
+callbacks = [Waits({{4: "requeued", 6: "sigterm"}}) if phase == "first" else Record(), make_callback(root, 5, True)]
+trainer = pl.Trainer(max_steps=12, accelerator="cpu", devices=2, num_nodes=1, strategy="ddp", logger=False,
+                     callbacks=callbacks, plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=root,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     limit_val_batches=0)
+trainer.fit(Net(WIDTH), loader(WIDTH), ckpt_path=None if phase == "first" else "last")
+print("finished", flush=True)
+"""
+
+
+def _start_ranks(tmp_path: Path, phase: str, env: dict[str, str]) -> list[Any]:
+    import subprocess
+
+    from launching import free_port
+
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(_RANKS))
+    common = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "SLURM_NTASKS": "2",
+              "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "PYTHONWARNINGS": "ignore"}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
+        common.pop(name, None)
+    return [subprocess.Popen([sys.executable, str(script), str(tmp_path), phase], cwd=str(tmp_path), text=True,
+                             env={**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+
+
+def _until_both(procs: list[Any], line: str, out: list[list[str]]) -> None:
+    """Read both ranks' output until each printed ``line`` (bounded: only a hang fails)."""
+    import select
+
+    seen, deadline = [False, False], time.monotonic() + 300
+    while not all(seen):
+        assert time.monotonic() < deadline, "".join(out[0] + out[1])
+        ready, _, _ = select.select([p.stdout for p in procs], [], [], 1.0)
+        for r, p in enumerate(procs):
+            if p.stdout in ready:
+                text = p.stdout.readline()
+                assert text, f"rank {r} ended early:\n" + "".join(out[r])
+                out[r].append(text)
+                seen[r] = seen[r] or text.startswith(line)
+
+
+def test_two_ranks_requeue_then_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 DDP ranks under ``SLURMEnvironment`` (gloo, async saves, the fast tier every 5 steps): SIGUSR1 to both at
+    step 4 (``hpc_ckpt_1.ckpt``, written by rank 0, every rank in its barrier), SIGTERM to both at step 6 (the fast
+    tier saves step 6 or 7, where Lightning stops); a relaunch with ``ckpt_path="last"`` resumes both ranks from
+    the fast tier, the newest. Nothing hangs."""
+    with monkeypatch.context() as m:
+        log = scontrol(tmp_path, m)
+        env = dict(os.environ)
+    procs, out = _start_ranks(tmp_path, "first", env), [[], []]
+    try:
+        _until_both(procs, "training 4", out)
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        _until_both(procs, "training 6", out)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for r, p in enumerate(procs):
+            out[r].append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    text = "".join(out[0] + out[1])
+    assert log.read_text().split() == ["requeue", "4242"], text
+    assert read_lightning_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")["global_step"] == 4
+    stopped = {interrupted_at("".join(o)) for o in out}
+    assert len(stopped) == 1 and stopped.pop() in (6, 7), text
+    newest = sorted(os.listdir(tmp_path / "fast"), key=lambda n: int(n[5:-5]))[-1]
+    procs, out = _start_ranks(tmp_path, "last", env), [[], []]
+    for r, p in enumerate(procs):
+        out[r].append(p.communicate(timeout=300)[0])
+        assert p.returncode == 0, out[r]
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"last.rank{r}.json").read_text())
+        assert got["ckpt_path"] == str(tmp_path / "fast" / newest) and got["start"] == int(newest[5:-5]), got
