@@ -228,3 +228,23 @@ def test_a_damaged_fast_file_is_never_promoted(tmp_path: Path) -> None:
     assert not os.listdir(target.parent)
     copy_verified(str(fast / "step=4.ckpt"), str(target), store_for(str(target)))
     assert target.read_bytes() == (fast / "step=4.ckpt").read_bytes()
+
+
+def test_last_orders_the_tiers_by_step_the_nearest_first_among_equals() -> None:
+    """``_tiers.nearest_first`` on listings as the registry makes them: a remote file's step unknown without a
+    download is its name's ``step=N``; a step unknown either way comes after every known one."""
+    from lightning_ort_ckpt._registry import Entry, Kind, State
+    from lightning_ort_ckpt._tiers import nearest_first
+
+    def entry(path: str, step: int | None = None, state: State = State.COMMITTED) -> Entry:
+        return Entry(path, Kind.FILE, state, step)
+
+    fast = [entry("/fast/step=8.ckpt", 8), entry("/fast/step=7.ckpt", 7)]
+    persistent = [entry("s3://b/run/last.ckpt"), entry("s3://b/run/epoch=1-step=9.ckpt"),
+                  entry("s3://b/run/epoch=1-step=8.ckpt"), entry("s3://b/run/epoch=0-step=4.ckpt"),
+                  entry("s3://b/run/epoch=0-step=6.ckpt", state=State.HALF)]
+    hpc = [entry("/root/hpc_ckpt_1.ckpt", 7), entry("/fast/step=8.ckpt", 8)]  # a path two tiers list: once
+    assert [e.path for e in nearest_first([fast, persistent, hpc])] == [
+        "s3://b/run/epoch=1-step=9.ckpt", "/fast/step=8.ckpt", "s3://b/run/epoch=1-step=8.ckpt", "/fast/step=7.ckpt",
+        "/root/hpc_ckpt_1.ckpt", "s3://b/run/epoch=0-step=4.ckpt", "s3://b/run/last.ckpt",
+        "s3://b/run/epoch=0-step=6.ckpt"]
