@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from . import _registry, _strategies
+from . import _lightning_adapter, _registry, _strategies
 from ._retention import Ledger
 from .errors import CheckpointConfigError
 from .format._store import Store, local_path, store_for
@@ -69,7 +69,6 @@ class Saver(Protocol):
 
     save_weights_only: bool
     checkpoint_io: Any  # a Promoter
-    _last_global_step_saved: int  # ModelCheckpoint's: the step of its newest save, on every rank alike
 
     def _confined(self, path: str) -> bool: ...
 
@@ -151,7 +150,7 @@ class FastTier:
         if not self.due(trainer, exception):
             yield
             return
-        step, before = trainer.global_step, callback._last_global_step_saved
+        step, before = trainer.global_step, _lightning_adapter.last_step_saved(callback)
         path = self.store.join(self.dirpath, f"step={step}{self.extension}")
         taken: list[str] = []
 
@@ -171,7 +170,7 @@ class FastTier:
                 callback.checkpoint_io.promote(None)
         self.ledger.saving(path)
         # decided alike on every rank (a save is a collective): did ModelCheckpoint save into dirpath just now?
-        if not (promoting and callback._last_global_step_saved == step != before):
+        if not (promoting and _lightning_adapter.last_step_saved(callback) == step != before):
             trainer.save_checkpoint(path, weights_only=False)
         self.saved_step = trainer.global_step
         for old in self.ledger.release(()):  # deleted after the new file is durable (the plugin runs both in order)
