@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; at run time th
     from ._loading import load, load_from_checkpoint
     from ._plugin import OrtCheckpointIO
     from ._reading import disable_ort_loading, enable_ort_loading
+    from ._tiers import LocalTier
     from ._wandb import OrtWandbLogger
 
 __version__ = "0.3.0"
@@ -27,7 +28,7 @@ __version__ = "0.3.0"
 _LAZY = {"OrtCheckpoint": "._callback", "OrtCheckpointIO": "._plugin", "BindCheckpointIO": "._binding",
          "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate",
          "ExportBest": "._export_callback", "load": "._loading", "load_from_checkpoint": "._loading",
-         "OrtWandbLogger": "._wandb"}
+         "OrtWandbLogger": "._wandb", "LocalTier": "._tiers"}
 _DEPRECATED = {"Checkpoint": "CheckpointContents"}  # 0.2's names (format/_deprecated.py: the rule)
 
 
@@ -49,7 +50,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BindCheckpointIO", "CheckpointConfigError", "CheckpointContents", "CheckpointError", "CheckpointReader",
-    "CheckpointSaveError", "CorruptCheckpointError", "DataType", "ExportBest", "OptimizerGroup", "OrtCheckpoint",
+    "CheckpointSaveError", "CorruptCheckpointError", "DataType", "ExportBest", "LocalTier", "OptimizerGroup", "OrtCheckpoint",
     "OrtCheckpointIO", "OrtWandbLogger", "TensorInfo", "consolidate", "disable_ort_loading", "enable_ort_loading", "load",
     "load_checkpoint", "load_from_checkpoint", "open_checkpoint", "save_checkpoint",
 ]

@@ -44,6 +44,7 @@ from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
 from ._resume import ResumeFallback
 from ._preservation import Preservation
 from ._save_decision import SaveDecision, Verdict
+from ._tiers import LocalTier, tier
 from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
 from .format._store import StorageOptions, Store, local_path, store_for
 from .format._writer import ExternalData
@@ -88,13 +89,13 @@ class OrtCheckpointMixin(_Base):
                  async_save: bool | None = None, external_data: ExternalData | None = None,
                  ort_compatible: bool | None = None, share_frozen: bool | Literal["trusted"] | None = None,
                  storage_options: StorageOptions | None = None, export_best_to: str | os.PathLike[str] | None = None,
-                 export_tolerance: float = 1e-5) -> None:
+                 export_tolerance: float = 1e-5, local: LocalTier | None = None) -> None:
         """Every argument before ``*`` is ``ModelCheckpoint``'s, with its meaning (docs/callback.md lists where we
         differ on purpose); the ones after it are ours (docs/callback.md): ``include_optimizer_state`` (ORT's name
         for ``not save_weights_only``), ``keep_newest`` (keep the newest N files, ORT's ``max_num_checkpoints``),
         ``resume_fallback`` (``"scratch"``: ``ckpt_path="last"`` trains from scratch where no checkpoint of
         ``dirpath`` can be resumed, instead of raising), ``checkpoint_io`` or the five ``OrtCheckpointIO`` settings
-        for the plugin built here, ``export_best_to`` and ``export_tolerance`` (an ``ExportBest`` callback).
+        for the plugin built here, ``export_best_to``/``export_tolerance`` (``ExportBest``), ``local`` (``LocalTier``).
 
         Raises:
             CheckpointConfigError: an argument, or a combination of them, is invalid.
@@ -131,6 +132,7 @@ class OrtCheckpointMixin(_Base):
         self._hook = Hook.OTHER
         self._resumption = _resume.Resumption(resume_fallback)
         self._preservation = Preservation(keep_newest, self._resumption, self.FILE_EXTENSION)
+        self._tier = tier(local, self.FILE_EXTENSION, dirpath)  # (_tiers: nothing without local=)
         _lightning_adapter.LAST_RESOLUTION.hold_while(self)
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -153,6 +155,7 @@ class OrtCheckpointMixin(_Base):
             _lightning_adapter.set_checkpoint_filesystem(self, str(self.dirpath), self.checkpoint_io.storage_options)
         _agree_on_last(self, trainer, stage)
         _loggers.check_loggers(trainer)
+        self._tier.setup(trainer, stage)
 
     @property
     def include_optimizer_state(self) -> bool:
@@ -193,8 +196,12 @@ class OrtCheckpointMixin(_Base):
         return _for_now(self, "_hook", hook, Hook.OTHER)
 
     def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
-        with self._in(Hook.BATCH_END, trainer):
+        with self._in(Hook.BATCH_END, trainer), self._tier.around_saves(trainer, self):
             super().on_train_batch_end(trainer, *args, **kwargs)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        with self._tier.around_saves(trainer, self, exception):
+            super().on_exception(trainer, pl_module, exception)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         with self._in(Hook.EPOCH_END, trainer):
@@ -299,6 +306,7 @@ class OrtCheckpointMixin(_Base):
         rank_zero = trainer.global_rank == 0
         if rank_zero:
             self._preservation.take_half(entries)
+        entries = self._tier.nearest_first(entries, trainer)  # every tier's, nearest first (_tiers)
         found = self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
                                       io=bound_plugin(trainer) or self.checkpoint_io,
                                       storage_options=self.checkpoint_io.storage_options,

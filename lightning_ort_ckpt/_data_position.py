@@ -83,7 +83,8 @@ class TrainData:
         loaders = _lightning_adapter.train_loaders(trainer) if trainer is not None else []
         if not loaders:
             return None
-        ahead = _lightning_adapter.prefetched_batches(trainer)
+        # a batch fetched but not trained is not consumed: the resumed fit trains it (Lightning restarts it)
+        ahead = _lightning_adapter.prefetched_batches(trainer) + _lightning_adapter.batches_in_flight(trainer)
         records = [self._watched.get(id(dl)) for dl in loaders]
         saved = [r.saved(ahead) if r is not None and r.loader is dl else None for r, dl in zip(records, loaders)]
         total = trainer.num_training_batches

@@ -226,6 +226,18 @@ def prefetched_batches(trainer: Any) -> int:
     return len(getattr(getattr(trainer.fit_loop, "_data_fetcher", None), "batches", None) or ())
 
 
+def last_step_saved(callback: Any) -> int:
+    """The step of a ``ModelCheckpoint``'s newest save (its ``_last_global_step_saved``): alike on every rank."""
+    return int(callback._last_global_step_saved)
+
+
+def batches_in_flight(trainer: Any) -> int:
+    """Batches the fit loop fetched but has not trained yet: 1 for a save from inside a batch (Lightning's SLURM
+    requeue handler saves wherever the signal lands), 0 at a batch's end."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return max(0, int(progress.ready) - int(progress.processed))
+
+
 def train_batches_done(trainer: Any) -> int:
     """How many batches of the current epoch the fit loop has trained (its batch progress)."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)

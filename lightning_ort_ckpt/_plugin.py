@@ -40,7 +40,7 @@ from typing import Any, Literal
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import _fabric, _lightning_adapter, _rng, _sharing, _staging, _strategies, _train_start
+from . import _fabric, _lightning_adapter, _promotion, _rng, _sharing, _signals, _staging, _strategies, _train_start
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
@@ -108,6 +108,8 @@ class OrtCheckpointIOMixin:
         self._unwrap: Callable[[], None] | None = None  # what ``teardown`` undoes of it
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
+        self._reentry = _signals.Reentry()  # its calls in progress: a save in a signal handler waits for them
+        self._promotion: Callable[[str], str | None] | None = None  # where a save goes first (_tiers, _promotion)
         hold_ort_loading(self)
         _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
@@ -135,11 +137,13 @@ class OrtCheckpointIOMixin:
         return {**(self.storage_options or {}), **(extra or {})}
 
     # -- saving -------------------------------------------------------------------------------------------------
+    @_signals.guarded(defer=True)
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         self._raise_background_error()
         options = self._options(storage_options)
-        path = local_path(path)
+        target = local_path(path)
+        path = (self._promotion(target) if self._promotion else None) or target  # a fast-tier path first, copied
         ck, strategy = self._contents(checkpoint, path)
         module = strategy.lightning_module if strategy is not None else None
         store = store_for(path, options)
@@ -148,6 +152,15 @@ class OrtCheckpointIOMixin:
             ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
             module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, decided.keep)
         self._executor.run(decided.write, ck, path, keep, store)
+        if path != target:
+            self._executor.run(_promotion.copy_verified, path, target, store_for(target, options))
+        if _signals.must_be_durable(target):  # Lightning's requeue save: the job is requeued, and killed, next
+            self.wait()
+
+    def promote(self, source: Callable[[str], str | None] | None) -> None:
+        """Until called again, a save of a path for which ``source`` names another (a fast-tier path) is written there
+        and then copied to its path (``_promotion``); None: saves go where they are asked to."""
+        self._promotion = source
 
     def _contents(self, checkpoint: dict[str, Any], path: str) -> tuple[CheckpointContents, Any]:
         """What is saved, as ORT contents, and the strategy whose live module holds its tensors (None for a gathered
@@ -207,6 +220,7 @@ class OrtCheckpointIOMixin:
         self._train_start.at_train_start(trainer)
 
     # -- the directory ------------------------------------------------------------------------------------------
+    @_signals.guarded(defer=False)
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete a checkpoint and its ``.data`` file (after any save still being written). Retention calls this
         once the file that replaces it is stored: a deletion that fails is a ``CheckpointWarning`` naming the file,
@@ -221,6 +235,7 @@ class OrtCheckpointIOMixin:
             self._sharing.before_remove(path)
         _remove(store, path)
 
+    @_signals.guarded(defer=False)
     def link(self, target: str | os.PathLike[str], linkpath: str | os.PathLike[str]) -> None:
         """Make ``linkpath`` (and its ``.data``) a symbolic link to ``target``, once ``target`` is durable; on a
         store without links (``s3://``...), a copy of it."""
@@ -228,12 +243,14 @@ class OrtCheckpointIOMixin:
         target, linkpath = local_path(target), local_path(linkpath)
         self._executor.run(store_for(linkpath, self.storage_options).link_or_copy, target, linkpath)
 
+    @_signals.guarded(defer=False)
     def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` where this plugin's saves run (inline, or on the background queue with
         ``async_save=True``), in order with the saves, deletions and links asked for before and after it."""
         self._executor.run(fn, *args)
 
     # -- life cycle ---------------------------------------------------------------------------------------------
+    @_signals.guarded(defer=False)
     def wait(self) -> None:
         """Block until background work is done; raise the first error it met."""
         self._executor.join()

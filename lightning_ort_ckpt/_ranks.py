@@ -22,8 +22,9 @@ MARKER_PREFIX = ".ort_ckpt.shared."  # the file rank 0 writes in dirpath at setu
 
 
 def problem_with(dirpath: str | None, store: Store) -> str | None:
-    """Why ``dirpath`` cannot hold checkpoints (it is a file), or None."""
-    if dirpath is not None and store.read_head(dirpath, 1):
+    """Why ``dirpath`` cannot hold checkpoints (it is a file), or None. A folder's contents are not read (on a
+    store, a folder is a listing: a valid fast tier reads no object of the persistent one, ``_tiers``)."""
+    if dirpath is not None and not store.is_directory(dirpath) and store.read_head(dirpath, 1):
         return f"dirpath {dirpath!r} is a file, not a directory"
     return None
 

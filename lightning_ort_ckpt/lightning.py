@@ -1,6 +1,7 @@
 """The classes for ``lightning.pytorch`` Trainers (the ``lightning`` package).
 
-``from lightning_ort_ckpt.lightning import OrtCheckpoint, OrtCheckpointIO, BindCheckpointIO, OrtWandbLogger``; the top-level names
+``from lightning_ort_ckpt.lightning import OrtCheckpoint, OrtCheckpointIO, BindCheckpointIO, OrtWandbLogger``
+(``LocalTier`` is the same class in both); the top-level names
 are for ``pytorch_lightning``. Importing this module imports ``lightning.pytorch``. A Trainer accepts callbacks and
 plugins of its own copy of Lightning only; ``OrtCheckpoint`` of the other copy raises in ``setup``.
 """
@@ -13,6 +14,7 @@ from . import _export_callback  # noqa: F401 - hands export_best_to its factory 
 from ._binding import BindCheckpointIOMixin
 from ._callback import OrtCheckpointMixin
 from ._plugin import OrtCheckpointIOMixin
+from ._tiers import LocalTier
 from ._wandb import WholeCheckpointsMixin
 
 
@@ -35,4 +37,4 @@ class OrtWandbLogger(WholeCheckpointsMixin, WandbLogger):
     """``WandbLogger`` logging each checkpoint whole, for ``lightning.pytorch`` Trainers (see ``_wandb``)."""
 
 
-__all__ = ["BindCheckpointIO", "OrtCheckpoint", "OrtCheckpointIO", "OrtWandbLogger"]
+__all__ = ["BindCheckpointIO", "LocalTier", "OrtCheckpoint", "OrtCheckpointIO", "OrtWandbLogger"]

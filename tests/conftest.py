@@ -110,6 +110,9 @@ FILE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_docs.py": ("trainer", "ort", "slow"),
     "test_public_surfaces.py": ("unit", "fast"),
     "test_atomic_fork.py": ("unit", "crash"),
+    "test_tiers.py": ("trainer", "s3"),
+    "test_tiers_signals.py": ("trainer", "crash"),
+    "test_tiers_sharded.py": ("trainer", "multiprocess"),
 }
 
 

@@ -73,6 +73,7 @@ class _Proxy(ThreadingHTTPServer):
         self.upstream_port = upstream_port
         self.failing: set[str] = set()
         self.failed: list[str] = []  # "METHOD path" of each request answered 500
+        self.requests: list[str] = []  # "METHOD path" of every request, in order (tests count reads)
 
     @property
     def url(self) -> str:
@@ -85,6 +86,7 @@ class _Forward(BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         body = self._body()
+        self.server.requests.append(f"{self.command} {self.path}")
         if self.command in self.server.failing:
             self.server.failed.append(f"{self.command} {self.path}")
             self._answer(500, [("Content-Type", "application/xml")],

@@ -1,0 +1,389 @@
+"""The fast tier under the signals a scheduler sends, to real training processes (no mock).
+
+* SIGTERM (spot machines, Kubernetes, SLURM's ``--signal``): Lightning raises ``SIGTERMException`` at the next batch
+  boundary; the fast tier saves the current step there before the exit, without ``save_on_exception``, and
+  ``fit(ckpt_path="last")`` resumes from it bit for bit.
+* SIGUSR1 under ``SLURMEnvironment(auto_requeue=True)``, with a stand-in ``scontrol`` on ``PATH`` (the only fake):
+  Lightning saves ``hpc_ckpt_1.ckpt`` through our plugin from inside its signal handler and requeues the job;
+  "last" then takes the newest of the hpc file, the fast tier and ``dirpath``: the hpc file when the job is killed
+  before the fast tier saved anything newer, the fast tier's step when training went on after it.
+* A SIGUSR1 that lands inside one of our synchronous saves: the handler's save runs once that save returns.
+* Two DDP ranks under ``SLURMEnvironment``, launched as ``srun`` would (the SLURM variables of each task): SIGUSR1,
+  then SIGTERM, to both; a relaunch resumes both ranks from the fast tier.
+
+The children fork from ``tests/forkserver.py`` and train the model of ``tests/test_preemption.py`` on a plain
+shuffled ``DataLoader``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
+from lightning_ort_ckpt._reading import read_lightning_checkpoint
+import forkserver
+from test_preemption import MAX_STEPS, Net
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+WIDTH = 16
+
+
+def loader(width: int) -> DataLoader:
+    """A plain shuffled loader: the data position in every checkpoint resumes it mid-epoch (``_data_position``)."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(24, width, generator=g), torch.randn(24, width, generator=g))
+    return DataLoader(data, batch_size=4, shuffle=True)
+
+
+def make_callback(root: Path, every: int, async_save: bool) -> OrtCheckpoint:
+    """Persistent saves every 100 steps (none in these fits): what "last" finds is the fast tier's or the hpc
+    file."""
+    return OrtCheckpoint(root / "persistent", every_n_train_steps=100, async_save=async_save,
+                         local=LocalTier(root / "fast", every_n_train_steps=every, keep=2))
+
+
+def make_trainer(root: Path, callbacks: list[pl.Callback], plugins: list[Any] = ()) -> pl.Trainer:  # type: ignore[assignment]
+    return pl.Trainer(max_steps=MAX_STEPS, callbacks=callbacks, plugins=list(plugins), accelerator="cpu", devices=1,
+                      logger=False, enable_checkpointing=any(isinstance(c, OrtCheckpoint) for c in callbacks),
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      val_check_interval=3, limit_val_batches=4, default_root_dir=root)
+
+
+class Waits(pl.Callback):
+    """In the child: says where training is, and at given steps waits for the signal the parent answers with
+    (``sigterm``: until Lightning saw it; ``requeued``: until the stand-in ``scontrol`` ran in the handler), so the
+    signal is handled at that batch boundary however loaded the machine."""
+
+    def __init__(self, waits: dict[int, str]) -> None:
+        self.waits = waits
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        print(f"training {trainer.global_step}", flush=True)
+        what = self.waits.get(trainer.global_step)
+        while what == "sigterm" and not trainer.received_sigterm or \
+                what == "requeued" and not os.path.exists(os.environ["REQUEUE_LOG"]):
+            time.sleep(0.01)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        print(f"interrupted {trainer.global_step} {type(exception).__name__}", flush=True)
+
+
+def child_fit(root: str, every: str, async_save: str, slurm: str, waits: str) -> None:
+    plugins = []
+    if slurm == "1":
+        from pytorch_lightning.plugins.environments import SLURMEnvironment
+
+        plugins.append(SLURMEnvironment(auto_requeue=True))
+    steps = {int(k): v for k, v in (w.split(":") for w in waits.split(","))}
+    pl.seed_everything(0, verbose=False)
+    make_trainer(Path(root), [Waits(steps), make_callback(Path(root), int(every), async_save == "1")],
+                 plugins).fit(Net(WIDTH), loader(WIDTH), loader(WIDTH))
+    print("finished", flush=True)
+
+
+_CHILD = f"""
+import sys
+sys.path.insert(0, {TESTS_DIR!r})
+from test_tiers_signals import child_fit
+child_fit(*sys.argv[1:])
+"""
+
+
+def run_child(root: Path, every: int, async_save: bool, waits: dict[int, str], signals: list[tuple[str, int]],
+              slurm: bool = False) -> str:
+    """Start the child, send each signal of ``signals`` at the line that starts with its text; its output."""
+    script = root / "train.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    args = [str(root), str(every), str(int(async_save)), str(int(slurm)), ",".join(f"{k}:{v}" for k, v in waits.items())]
+    proc = forkserver.spawn(script=str(script), args=args, cwd=str(root), merge_stderr=True)
+    try:
+        lines: list[str] = []
+        pending = list(signals)
+        for line in proc.stdout:
+            lines.append(line)
+            if pending and line.startswith(pending[0][0]):
+                proc.send_signal(pending.pop(0)[1])
+                if not pending:
+                    break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return out
+
+
+def reference() -> dict[str, torch.Tensor]:
+    pl.seed_everything(0, verbose=False)
+    net = Net(WIDTH)
+    pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=3,
+               limit_val_batches=4).fit(net, loader(WIDTH), loader(WIDTH))
+    return net.state_dict()
+
+
+def resume(root: Path, every: int) -> pl.Trainer:
+    """``fit(ckpt_path="last")`` in this process (no SLURM here), to the end."""
+    trainer = make_trainer(root, [make_callback(root, every, False)])
+    trainer.fit(Net(WIDTH), loader(WIDTH), loader(WIDTH), ckpt_path="last")
+    return trainer
+
+
+def assert_exact(trainer: pl.Trainer) -> None:
+    expected, got = reference(), trainer.lightning_module.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigterm_commits_the_current_step_to_the_fast_tier(tmp_path: Path, async_save: bool) -> None:
+    # the fast tier every 5 steps has nothing of step 3 but what the SIGTERM saves
+    out = run_child(tmp_path, 5, async_save, {3: "sigterm"}, [("training 3", signal.SIGTERM)])
+    step = interrupted_at(out)  # Lightning finishes the batch it is in, and raises at the next boundary
+    assert step < 5 and "finished" not in out, out
+    fast = tmp_path / "fast"
+    assert sorted(os.listdir(fast)) == [f"step={step}.ckpt"], out  # committed, nothing half-written beside it
+    load_checkpoint(fast / f"step={step}.ckpt")
+    assert read_lightning_checkpoint(fast / f"step={step}.ckpt")["global_step"] == step
+    trainer = resume(tmp_path, 5)
+    assert trainer.ckpt_path == str(fast / f"step={step}.ckpt")
+    assert_exact(trainer)
+
+
+def interrupted_at(out: str) -> int:
+    found = [line.split() for line in out.splitlines() if line.startswith("interrupted ")]
+    assert found and found[0][2] == "SIGTERMException", out
+    return int(found[0][1])
+
+
+def scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in ``scontrol`` first on ``PATH``, recording its arguments; SLURM's variables of a 1-task job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "requeue.log"
+    tool = bin_dir / "scontrol"
+    tool.write_text(f'#!/bin/sh\necho "$@" > "{log}.tmp" && mv "{log}.tmp" "{log}"\n')
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    for name, value in {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "REQUEUE_LOG": str(log),
+                        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    return log
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_slurm_requeue_then_kill_resumes_from_the_hpc_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           async_save: bool) -> None:
+    """SIGUSR1 at step 4, then the job is killed (SIGKILL) while it waits at step 5: the fast tier (every 100 steps)
+    holds nothing newer, so "last" is Lightning's ``hpc_ckpt_1.ckpt`` (written by our plugin, whole)."""
+    with monkeypatch.context() as m:
+        log = scontrol(tmp_path, m)
+        out = run_child(tmp_path, 100, async_save, {4: "requeued", 5: "sigterm"},
+                        [("training 4", signal.SIGUSR1), ("training 5", signal.SIGKILL)], slurm=True)
+    assert log.read_text().split() == ["requeue", "4242"], out
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    load_checkpoint(hpc)
+    assert read_lightning_checkpoint(hpc)["global_step"] == 4
+    assert not os.listdir(tmp_path / "fast")
+    trainer = resume(tmp_path, 100)
+    assert trainer.ckpt_path == str(hpc)
+    assert_exact(trainer)
+
+
+def test_slurm_requeue_then_sigterm_resumes_from_the_newer_fast_step(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGUSR1 at step 4 (``hpc_ckpt_1.ckpt`` of step 4), training goes on, SIGTERM at step 7: the fast tier (every
+    step) holds the step it stopped at, and "last" takes it, the newest."""
+    with monkeypatch.context() as m:
+        log = scontrol(tmp_path, m)
+        out = run_child(tmp_path, 1, True, {4: "requeued", 7: "sigterm"},
+                        [("training 4", signal.SIGUSR1), ("training 7", signal.SIGTERM)], slurm=True)
+    step = interrupted_at(out)
+    assert log.exists() and step > 4, out
+    assert read_lightning_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")["global_step"] == 4
+    assert sorted(os.listdir(tmp_path / "fast")) == [f"step={step - 1}.ckpt", f"step={step}.ckpt"]
+    trainer = resume(tmp_path, 1)
+    assert trainer.ckpt_path == str(tmp_path / "fast" / f"step={step}.ckpt")
+    assert_exact(trainer)
+
+
+class _SlowStore:
+    """(In the child) the local store of ``default_root_dir``, whose write of step 4's file pauses (on the training
+    thread: saves are synchronous) until the requeue signal was handled: the signal lands inside one of our saves."""
+
+    @classmethod
+    def make(cls) -> type:
+        from lightning_ort_ckpt.format._local_store import LocalStore
+
+        class SlowStore(LocalStore):
+            @classmethod
+            def handles(cls, path: Any) -> bool:
+                return path is not None and os.fspath(path).startswith(os.environ["SLOW_ROOT"])
+
+            def writing(self, path: str, **kwargs: Any) -> Any:
+                if os.path.basename(path) == "epoch=0-step=4.ckpt":
+                    print("writing epoch=0-step=4.ckpt", flush=True)
+                    while not os.path.exists(os.environ["REQUEUE_LOG"]):
+                        time.sleep(0.01)
+                return super().writing(path, **kwargs)
+
+        return SlowStore
+
+
+def child_in_save(root: str) -> None:
+    from pytorch_lightning.plugins.environments import SLURMEnvironment
+    from lightning_ort_ckpt.format._store import register
+
+    register(_SlowStore.make())  # this child's own table of backends (a test-only store)
+    pl.seed_everything(0, verbose=False)
+    callback = OrtCheckpoint(root, every_n_train_steps=4, save_top_k=-1)
+    make_trainer(Path(root), [callback], [SLURMEnvironment(auto_requeue=True)]).fit(
+        Net(WIDTH), loader(WIDTH), loader(WIDTH))
+    print("finished", flush=True)
+
+
+def test_a_requeue_signal_inside_a_save_saves_once_that_save_returns(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGUSR1 while the training thread is inside our synchronous save of step 4 into ``default_root_dir`` (the
+    folder the hpc file goes to): the handler's save does not run inside the interrupted one (which may hold the
+    folder's writer lock), but right after it returns; nothing hangs, and both files are whole."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {TESTS_DIR!r})
+        from test_tiers_signals import child_in_save
+        child_in_save(sys.argv[1])
+    """))
+    with monkeypatch.context() as m:
+        log = scontrol(tmp_path, m)
+        m.setenv("SLOW_ROOT", str(tmp_path))
+        proc = forkserver.spawn(script=str(script), args=[str(tmp_path)], cwd=str(tmp_path), merge_stderr=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("writing epoch=0-step=4.ckpt"):
+                proc.send_signal(signal.SIGUSR1)
+                break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "finished" in out and log.exists(), out
+    step_file, hpc = tmp_path / "epoch=0-step=4.ckpt", tmp_path / "hpc_ckpt_1.ckpt"
+    load_checkpoint(step_file)
+    load_checkpoint(hpc)
+    assert read_lightning_checkpoint(hpc)["global_step"] == 4
+    # the hpc file was written after the interrupted save had finished writing step 4's file
+    assert hpc.stat().st_mtime_ns >= step_file.stat().st_mtime_ns
+
+
+_RANKS = f"""
+import json, os, sys, time
+sys.path.insert(0, {TESTS_DIR!r})
+import pytorch_lightning as pl
+from pathlib import Path
+from pytorch_lightning.plugins.environments import SLURMEnvironment
+from test_tiers_signals import Net, Waits, loader, make_callback, WIDTH
+
+root, phase = Path(sys.argv[1]), sys.argv[2]
+
+
+class Record(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        with open(root / f"{{phase}}.rank{{trainer.global_rank}}.json", "w") as f:
+            json.dump({{"start": trainer.global_step, "ckpt_path": trainer.ckpt_path and str(trainer.ckpt_path)}}, f)
+
+
+pl.seed_everything(0, verbose=False)
+callbacks = [Waits({{4: "requeued", 6: "sigterm"}}) if phase == "first" else Record(), make_callback(root, 5, True)]
+trainer = pl.Trainer(max_steps=12, accelerator="cpu", devices=2, num_nodes=1, strategy="ddp", logger=False,
+                     callbacks=callbacks, plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=root,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                     limit_val_batches=0)
+trainer.fit(Net(WIDTH), loader(WIDTH), ckpt_path=None if phase == "first" else "last")
+print("finished", flush=True)
+"""
+
+
+def _start_ranks(tmp_path: Path, phase: str, env: dict[str, str]) -> list[Any]:
+    import subprocess
+
+    from launching import free_port
+
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(_RANKS))
+    common = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "SLURM_NTASKS": "2",
+              "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "PYTHONWARNINGS": "ignore"}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
+        common.pop(name, None)
+    return [subprocess.Popen([sys.executable, str(script), str(tmp_path), phase], cwd=str(tmp_path), text=True,
+                             env={**common, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+
+
+def _until_both(procs: list[Any], line: str, out: list[list[str]]) -> None:
+    """Read both ranks' output until each printed ``line`` (bounded: only a hang fails)."""
+    import select
+
+    seen, deadline = [False, False], time.monotonic() + 300
+    while not all(seen):
+        assert time.monotonic() < deadline, "".join(out[0] + out[1])
+        ready, _, _ = select.select([p.stdout for p in procs], [], [], 1.0)
+        for r, p in enumerate(procs):
+            if p.stdout in ready:
+                text = p.stdout.readline()
+                assert text, f"rank {r} ended early:\n" + "".join(out[r])
+                out[r].append(text)
+                seen[r] = seen[r] or text.startswith(line)
+
+
+def test_two_ranks_requeue_then_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 DDP ranks under ``SLURMEnvironment`` (gloo, async saves, the fast tier every 5 steps): SIGUSR1 to both at
+    step 4 (``hpc_ckpt_1.ckpt``, written by rank 0, every rank in its barrier), SIGTERM to both at step 6 (the fast
+    tier saves step 6 or 7, where Lightning stops); a relaunch with ``ckpt_path="last"`` resumes both ranks from
+    the fast tier, the newest. Nothing hangs."""
+    with monkeypatch.context() as m:
+        log = scontrol(tmp_path, m)
+        env = dict(os.environ)
+    procs, out = _start_ranks(tmp_path, "first", env), [[], []]
+    try:
+        _until_both(procs, "training 4", out)
+        for p in procs:
+            p.send_signal(signal.SIGUSR1)
+        _until_both(procs, "training 6", out)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for r, p in enumerate(procs):
+            out[r].append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    text = "".join(out[0] + out[1])
+    assert log.read_text().split() == ["requeue", "4242"], text
+    assert read_lightning_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")["global_step"] == 4
+    stopped = {interrupted_at("".join(o)) for o in out}
+    assert len(stopped) == 1 and stopped.pop() in (6, 7), text
+    newest = sorted(os.listdir(tmp_path / "fast"), key=lambda n: int(n[5:-5]))[-1]
+    procs, out = _start_ranks(tmp_path, "last", env), [[], []]
+    for r, p in enumerate(procs):
+        out[r].append(p.communicate(timeout=300)[0])
+        assert p.returncode == 0, out[r]
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"last.rank{r}.json").read_text())
+        assert got["ckpt_path"] == str(tmp_path / "fast" / newest) and got["start"] == int(newest[5:-5]), got
