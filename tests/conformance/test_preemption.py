@@ -32,36 +32,15 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
 from helpers import forkserver
 from helpers.loaders import ResumableShuffleLoader
+from helpers.preemption import MAX_STEPS, Net
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-MAX_STEPS = 12  # 2 epochs of 6 batches; validation every 3 training batches
-
-
-class Net(pl.LightningModule):
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.1), nn.Linear(width, width))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        print(f"validating {self.global_step} {batch_idx}", flush=True)
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-
 def loader(width: int) -> DataLoader:
     """A shuffled loader that saves its position: a plain DataLoader cannot resume mid-epoch exactly with any file
     format (docs/mapping.md). Its permutations and the model's Dropout make exactness depend on the random states."""

@@ -23,6 +23,7 @@ from lightning_ort_ckpt._translation import MANIFEST
 from helpers.ort_reference import batch, make_artifacts, ort_api, ort_parameters, ort_properties
 from helpers.fits import Net, files_after_fit, fit, name
 from helpers.cli import run_cli
+from helpers.damage import damaged_copy, flip
 
 MODES = ["never", "params", "all"]
 
@@ -38,14 +39,6 @@ def sample(seed: int = 0) -> CheckpointContents:
                                                                  torch.rand_like(t)}
                                                              for n, t in (("fc.weight", w), ("fc.bias", b))})},
         properties={"epoch": 3})
-
-
-def flip(path: str | os.PathLike[str], offset: int, bit: int = 0) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ (1 << bit)]))
 
 
 def tensor_file(reader: Any, info: Any) -> str:
@@ -182,14 +175,6 @@ def trained(tmp_path_factory):
     fit(OrtCheckpoint(dirpath=d, save_top_k=-1), 2)
     assert files_after_fit(d) == {name(0, 4), name(1, 8)}
     return d
-
-
-def damaged_copy(src: Path, dst: Path, tensor: str = "layer.weight") -> Path:
-    dst.write_bytes(src.read_bytes())
-    with open_checkpoint(dst) as reader:
-        info = reader.trainable[tensor]
-    flip(dst, info.offset + info.nbytes - 1, 3)
-    return dst
 
 
 def test_every_loading_entry_point_names_the_damaged_tensor(trained, tmp_path):

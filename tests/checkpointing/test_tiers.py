@@ -6,8 +6,8 @@ newest step of any tier, the fast one first, falls back past a damaged or wiped 
 tier holds a readable checkpoint, and resumes bit for bit. With moto's S3 as the persistent tier, a valid fast tier
 means no object of the store is read (the requests are counted at the endpoint). A persistent save on a fast-tier
 step is the fast file, copied (promotion), never a damaged one. The processes that get real signals (SIGTERM,
-SLURM's SIGUSR1) are in ``tests/test_tiers_signals.py``, the 2-rank runs (ModelParallel, DDP) in
-``tests/test_tiers_sharded.py``.
+SLURM's SIGUSR1) are in ``tests/checkpointing/test_tiers_signals.py``, the 2-rank runs (ModelParallel, DDP) in
+``tests/checkpointing/test_tiers_sharded.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning, 
 from lightning_ort_ckpt.format._store import store_for
 from helpers.fits import fit, files_after_fit, make_trainer, name, run_fit
 
-from test_checksums import damaged_copy
+from helpers.damage import damaged_copy
 
 
 def weights(trainer: Any) -> dict[str, torch.Tensor]:

@@ -11,8 +11,8 @@
 * Two DDP ranks under ``SLURMEnvironment``, launched as ``srun`` would (the SLURM variables of each task): SIGUSR1,
   then SIGTERM, to both; a relaunch resumes both ranks from the fast tier.
 
-The children fork from ``tests/forkserver.py`` and train the model of ``tests/test_preemption.py`` on a plain
-shuffled ``DataLoader``.
+The children fork from ``tests/helpers/forkserver.py`` and train the model of ``tests/helpers/preemption.py`` on a
+plain shuffled ``DataLoader``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt._reading import read_lightning_checkpoint
-import forkserver
-from test_preemption import MAX_STEPS, Net
+from helpers import forkserver
+from helpers.preemption import MAX_STEPS, Net
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WIDTH = 16
@@ -96,7 +96,7 @@ def child_fit(root: str, every: str, async_save: str, slurm: str, waits: str) ->
 
 _CHILD = f"""
 import sys
-sys.path.insert(0, {TESTS_DIR!r})
+sys.path[:0] = [{TESTS_DIR!r}, {os.path.dirname(TESTS_DIR)!r}]  # this module, and helpers/
 from test_tiers_signals import child_fit
 child_fit(*sys.argv[1:])
 """
@@ -262,7 +262,7 @@ def test_a_requeue_signal_inside_a_save_saves_once_that_save_returns(tmp_path: P
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {TESTS_DIR!r})
+        sys.path[:0] = [{TESTS_DIR!r}, {os.path.dirname(TESTS_DIR)!r}]  # this module, and helpers/
         from test_tiers_signals import child_in_save
         child_in_save(sys.argv[1])
     """))
@@ -293,7 +293,7 @@ def test_a_requeue_signal_inside_a_save_saves_once_that_save_returns(tmp_path: P
 
 _RANKS = f"""
 import json, os, sys, time
-sys.path.insert(0, {TESTS_DIR!r})
+sys.path[:0] = [{TESTS_DIR!r}, {os.path.dirname(TESTS_DIR)!r}]  # this module, and helpers/
 import pytorch_lightning as pl
 from pathlib import Path
 from pytorch_lightning.plugins.environments import SLURMEnvironment
@@ -322,7 +322,7 @@ print("finished", flush=True)
 def _start_ranks(tmp_path: Path, phase: str, env: dict[str, str]) -> list[Any]:
     import subprocess
 
-    from launching import free_port
+    from helpers.launching import free_port
 
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent(_RANKS))

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from launching import launch_script
+from helpers.launching import launch_script
 from lightning_ort_ckpt import load_checkpoint
 
 SCRIPT = r'''
