@@ -280,7 +280,8 @@ class OrtCheckpointIOMixin:
             self._attachment.undo()
         self._attachment = _strategies.attach(strategy, self)
         self._unwrap = self._attachment.undo if self._attachment is not None else None
-        self._train_start.bind(strategy, self.fast_forward_iterables)
+        arms = [self._executors[True].arm, *([self._attachment.arm] if self._attachment is not None else [])]
+        self._train_start.bind(strategy, self.fast_forward_iterables, _arming(arms))  # staging waits for steps
         self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
@@ -304,6 +305,15 @@ class OrtCheckpointIOMixin:
         if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
             return None
         return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
+
+
+def _arming(arms: list[Callable[[list[Any]], None]]) -> Callable[[Any], None]:
+    """What hands a strategy's optimizers (they exist once its training data is set up) to each stager."""
+    def arm(strategy: Any) -> None:
+        for each in arms:
+            each(list(strategy.optimizers))
+
+    return arm
 
 
 def _raise(error: BaseException | None) -> None:
