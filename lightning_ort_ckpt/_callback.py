@@ -131,7 +131,7 @@ class OrtCheckpointMixin(_Base):
         self._hook = Hook.OTHER
         self._resumption = _resume.Resumption(resume_fallback)
         self._preservation = Preservation(keep_newest, self._resumption, self.FILE_EXTENSION)
-        _lightning_adapter.LAST_RESOLUTION.hold_while(self)
+        self._stand_in = _lightning_adapter.LastStandIn()  # what Lightning dates for "last" on a store
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -182,6 +182,7 @@ class OrtCheckpointMixin(_Base):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._resumption.choice = None
+        self._stand_in.drop()
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns (and exports)
         _loggers.log_whole_units(trainer, self, finishing=True)  # what loggers log at finalize, after teardown
         super().teardown(trainer, pl_module, stage)
@@ -287,11 +288,17 @@ class OrtCheckpointMixin(_Base):
         _link(self, trainer, filepath, linkpath)
 
     # -- resume (_registry, _resume) -----------------------------------------------------------------------------
-    def resolve_last(self, trainer: Any) -> str | None:
-        """What ``ckpt_path="last"`` resumes from (``_resume``; Lightning asks through ``_lightning_adapter``)."""
-        return next(iter(self._find_last_checkpoints(trainer)), None)
-
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        """Lightning's question for ``ckpt_path="last"``, which dates each answer (a file system's modification
+        time): :meth:`resolve_last`, or a local stand-in for it on a store (``_lightning_adapter.LastStandIn``)."""
+        found = self.resolve_last(trainer)
+        if found is None:
+            return set()
+        store = self._store(found)
+        return {found if store.local else self._stand_in.path_for(found, store.modified(found))}
+
+    def resolve_last(self, trainer: Any) -> str | None:
+        """What ``ckpt_path="last"`` resumes from (``_resume``)."""
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
         entries = _registry.scan(directory, self._store(directory), self.checkpoint_io.storage_options,
                                  extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,  # sub-folders
@@ -299,11 +306,10 @@ class OrtCheckpointMixin(_Base):
         rank_zero = trainer.global_rank == 0
         if rank_zero:
             self._preservation.take_half(entries)
-        found = self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
-                                      io=bound_plugin(trainer) or self.checkpoint_io,
-                                      storage_options=self.checkpoint_io.storage_options,
-                                      module=trainer.lightning_module)
-        return {found} if found else set()
+        return self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
+                                     io=bound_plugin(trainer) or self.checkpoint_io,
+                                     storage_options=self.checkpoint_io.storage_options,
+                                     module=trainer.lightning_module)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,
@@ -383,8 +389,8 @@ def _agree_on_last(callback: OrtCheckpointMixin, trainer: Any, stage: str) -> No
     io, resumption = callback.checkpoint_io, callback._resumption
     resumption.agree(lambda mine, adopt: _ranks.agree(trainer, dirpath, callback._store(), stage == "fit", mine, adopt),
                      str(dirpath), io, io.storage_options)
-    fallback = resumption.loading(_ranks.all_ranks(trainer), str(dirpath),
-                                  lambda path: _lightning_adapter.set_resumed_path(trainer, path))
+    fallback = callback._stand_in.loading(trainer, resumption.loading(
+        _ranks.all_ranks(trainer), str(dirpath), lambda path: _lightning_adapter.set_resumed_path(trainer, path)))
     if fallback is not None:
         _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
 

@@ -19,14 +19,17 @@ Three kinds of use:
   that instance only and removed at the plugin's ``teardown``. The strategy's save mode is read here
   (:func:`sharded_state_dict`). Every strategy a plugin is bound to has its ``process_dataloader`` wrapped the same
   way (:func:`wrap_process_dataloader`), to learn the training loaders before their first iterator is drawn;
-- **the "last" wrap** of ``_CheckpointConnector._parse_ckpt_path`` (:data:`LAST_RESOLUTION`), on while an
-  ``OrtCheckpoint`` exists: ``ckpt_path="last"``, where every checkpoint callback of the Trainer is an
-  ``OrtCheckpoint`` (one) and no ``OnExceptionCheckpoint`` competes, is the checkpoint that callback resolves.
-  Lightning's own rule asks the file system for each candidate's modification time, which a checkpoint folder on
-  an object store (``s3://``, ``memory://``) does not have (``IsADirectoryError``); ours orders by the step each
-  checkpoint records. Every other ``ckpt_path`` goes to Lightning's function unchanged. The F2 fallback wraps one
-  ``load_checkpoint`` of a strategy instance for one load (:func:`wrap_next_load`) and names the checkpoint it
-  fell back to as the Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
+- **"last" on a store** (:class:`LastStandIn`): Lightning resolves ``ckpt_path="last"`` before any callback hook,
+  from each checkpoint callback's ``_find_last_checkpoints`` (``OrtCheckpoint`` answers with the checkpoint its
+  registry resolves: newest by the step it records, one that can resume), then asks the file system of each
+  answer for its modification time (``fsspec``, without the callback's ``storage_options``), which a checkpoint
+  folder on an object store (``s3://``, ``memory://``) does not have (``IsADirectoryError``) and a store that needs
+  its options cannot give. So a checkpoint on a store is answered by a local empty file dated as the checkpoint;
+  Lightning's next ``load_checkpoint`` of it is a load of the checkpoint, which becomes the Trainer's
+  ``ckpt_path``, and the file is deleted in the callback's ``setup`` (or ``teardown``). Nothing of Lightning's is
+  wrapped for it but that one load, on that Trainer's strategy instance (:func:`wrap_next_load`), as the F2
+  fallback does: it wraps one ``load_checkpoint`` for one load and names the checkpoint it fell back to as the
+  Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
 - **the setter** ``Strategy.checkpoint_io`` of Lightning's base strategy classes (Trainer's and Fabric's), wrapped
   while an ``OrtCheckpointIO`` exists (:data:`CHECKPOINT_IO_ASSIGNMENT`): it tells the plugin which strategy it
   serves; a Fabric strategy's ``save_checkpoint`` is wrapped per instance (:func:`wrap_fabric_save`), and a Trainer
@@ -359,55 +362,57 @@ class OrtLoading:
 ORT_LOADING = OrtLoading()
 
 
-_CONNECTORS = ("pytorch_lightning.trainer.connectors.checkpoint_connector",
-               "lightning.pytorch.trainer.connectors.checkpoint_connector")
-
-
-class LastResolution:
-    """The wrap of ``_CheckpointConnector._parse_ckpt_path`` (module doc), on while anyone holds it, as
-    :class:`OrtLoading`. The callback that resolves "last" has a ``resolve_last(trainer)`` method."""
+class LastStandIn:
+    """``ckpt_path="last"`` on a store Lightning cannot ask a modification time of (module doc): a local empty file,
+    dated as the checkpoint it stands for, which ``_find_last_checkpoints`` hands Lightning; the Trainer's load of
+    it is a load of the checkpoint (:meth:`loading`), and it is deleted once Lightning has dated it."""
 
     def __init__(self) -> None:
-        self._holders = 0
-        self._lock = threading.Lock()
-        self._wrapped: list[tuple[type, Any]] = []
+        self._made: tuple[str, str] | None = None  # (the stand-in, the checkpoint)
 
-    def hold_while(self, owner: object) -> None:
-        with self._lock:
-            self._holders += 1
-            for module_name in _CONNECTORS:
-                connector = getattr(sys.modules.get(module_name), "_CheckpointConnector", None)
-                original = connector.__dict__.get("_parse_ckpt_path") if connector is not None else None
-                if original is not None and not getattr(original, _MARK, False):
-                    setattr(connector, "_parse_ckpt_path", _resolving_last(original))
-                    self._wrapped.append((connector, original))  # type: ignore[arg-type]
-        weakref.finalize(owner, self._release)
+    def path_for(self, path: str, modified: float) -> str:
+        """A stand-in for ``path`` (``modified``: its time, or ``-inf`` when the store does not know it)."""
+        self.drop()
+        folder = tempfile.mkdtemp(prefix="ort-ckpt-last-")
+        local = os.path.join(folder, os.path.basename(path.rstrip("/")) or "last")
+        with open(local, "wb"):
+            pass
+        when = modified if modified > 0 and modified != float("inf") else 0.0
+        os.utime(local, (when, when))
+        self._made = (local, path)
+        return local
 
-    def _release(self) -> None:
-        with self._lock:
-            self._holders = max(0, self._holders - 1)
-            if self._holders == 0:
-                for connector, original in reversed(self._wrapped):
-                    setattr(connector, "_parse_ckpt_path", original)
-                self._wrapped.clear()
+    def loading(self, trainer: Any, wrap: Callable[[Callable[[str], Any]], Callable[[str], Any]] | None
+                ) -> Callable[[Callable[[str], Any]], Callable[[str], Any]] | None:
+        """The wrap of the Trainer's next load (:func:`wrap_next_load`): the stand-in Lightning chose loads as the
+        checkpoint it stands for, which becomes the Trainer's ``ckpt_path``; then ``wrap`` (the fallback), if any.
+        The stand-in is deleted here (Lightning dated it already). None where there is nothing to wrap."""
+        made, self._made = self._made, None
+        self.drop(made)
+        if made is None:
+            return wrap
+        local, real = made
 
+        def mapping(load: Callable[[str], Any]) -> Callable[[str], Any]:
+            inner = wrap(load) if wrap is not None else load
 
-def _resolving_last(original: Callable[..., Any]) -> Callable[..., Any]:
-    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.trainer
-        ours = [cb for cb in trainer.checkpoint_callbacks if callable(getattr(cb, "resolve_last", None))]
-        competing = any(type(cb).__name__ == "OnExceptionCheckpoint" for cb in trainer.callbacks)
-        if ckpt_path == "last" and len(ours) == 1 == len(trainer.checkpoint_callbacks) and not competing:
-            return ours[0].resolve_last(trainer)  # which says why where it found none (not Lightning's hint
-            # to set save_last: our "last" needs no save_last)
-        return original(self, state_fn, ckpt_path, *args, **kwargs)
+            def load_checkpoint(path: str) -> Any:
+                if os.fspath(path) == local:
+                    set_resumed_path(trainer, real)
+                    path = real
+                return inner(path)
 
-    setattr(_parse_ckpt_path, _MARK, True)
-    _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
-    return _parse_ckpt_path
+            return load_checkpoint
 
+        return mapping
 
-LAST_RESOLUTION = LastResolution()
+    def drop(self, made: tuple[str, str] | None = None) -> None:
+        """Delete the stand-in (``made``, or the one made last)."""
+        made = made or self._made
+        if made is not None:
+            shutil.rmtree(os.path.dirname(made[0]), ignore_errors=True)
+        if made is self._made:
+            self._made = None
 
 
 @contextlib.contextmanager
