@@ -37,11 +37,13 @@ Three kinds of use:
 - **the loader wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
   ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
   content; every other file goes to Lightning's own function, unchanged. It is what lets
-  ``LightningModule.load_from_checkpoint`` read ORT files, and the main process of the spawn/fork launchers read the
-  weights file its worker wrote with ``OrtCheckpointIO`` (``_MultiProcessingLauncher`` reads it with the main
-  process's ``TorchCheckpointIO``). Nothing installs it at import: it is on while an ``OrtCheckpoint`` or
-  ``OrtCheckpointIO`` exists, or after ``lightning_ort_ckpt.enable_ort_loading()``, and Lightning's own function is
-  put back when neither holds it any more. Within :func:`serving` it hands back a checkpoint dict already read
+  ``LightningModule.load_from_checkpoint`` read ORT files. Nothing installs it at import nor when one of our objects
+  is made: it is on after ``lightning_ort_ckpt.enable_ort_loading()`` (an explicit, process-wide opt-in) and within
+  one call of ours (``lightning_ort_ckpt.load_from_checkpoint``, export), and Lightning's own function is put back
+  when every request is undone. The spawn/fork launchers' hand-over of the worker's weights
+  (:func:`launcher_weights`: ``_MultiProcessingLauncher`` reads them with the main process's own ``CheckpointIO``,
+  Lightning's ``TorchCheckpointIO`` where the worker's callback installed ours) is written by the worker's plugin
+  with Lightning's torch writer. Within :func:`serving` it hands back a checkpoint dict already read
   instead of reading the file again (export reads the weights once, then builds the module with
   ``load_from_checkpoint``). This module imports neither torch nor Lightning, nor any module of ours.
 """
@@ -295,9 +297,9 @@ def unwrap_strategy_checkpointing(strategy: Any) -> None:
 
 # -- the loader wrap --------------------------------------------------------------------------------------------
 class OrtLoading:
-    """The wrap of Lightning's loader, on while anyone holds it: every holder is counted, the last release puts
-    Lightning's own functions back. ``is_ort`` and ``load_ort`` are the reader's (passed in: this module imports
-    none of ours)."""
+    """The wrap of Lightning's loader, on while it is asked for (``enable_ort_loading()``, or one call of ours):
+    every acquire is counted, the last release puts Lightning's own functions back. ``is_ort`` and ``load_ort`` are
+    the reader's (passed in: this module imports none of ours)."""
 
     def __init__(self) -> None:
         self._holders = 0
@@ -329,11 +331,6 @@ class OrtLoading:
                 for module, attr, original in reversed(self._wrapped):
                     setattr(module, attr, original)
                 self._wrapped.clear()
-
-    def hold_while(self, owner: object, is_ort: Callable[[Any], bool], load_ort: Callable[[Any, Any], Any]) -> None:
-        """Hold the wrap on for as long as ``owner`` exists."""
-        self.acquire(is_ort, load_ort)
-        weakref.finalize(owner, self.release)
 
     def _ort_aware(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def pl_load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -425,6 +422,17 @@ def serving(path: str | os.PathLike[str], checkpoint: Any) -> Iterator[None]:
         yield
     finally:
         _SERVED.reset(token)
+
+
+LAUNCHER_WEIGHTS_NAME = ".temp.ckpt"
+"""The name of the file in which Lightning's spawn and fork launchers (``_MultiProcessingLauncher``) hand the
+worker's weights (the module's bare ``state_dict``) to the main process, through each process's ``CheckpointIO``."""
+
+
+def launcher_weights(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> bool:
+    """Whether a save of ``checkpoint`` to ``path`` is that hand-over: the main process reads it with its own
+    ``CheckpointIO`` (Lightning's ``TorchCheckpointIO`` where only the worker's callback installed ours)."""
+    return os.path.basename(os.fspath(path)) == LAUNCHER_WEIGHTS_NAME and "state_dict" not in checkpoint
 
 
 def _is_ort_stream(stream: Any) -> bool:

@@ -42,7 +42,8 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from . import _fabric, _lightning_adapter, _rng, _sharing, _staging, _strategies, _train_start
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
-from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
+from ._namespaces import loaded
+from ._reading import is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
@@ -108,7 +109,6 @@ class OrtCheckpointIOMixin:
         self._unwrap: Callable[[], None] | None = None  # what ``teardown`` undoes of it
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
-        hold_ort_loading(self)
         _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -138,6 +138,8 @@ class OrtCheckpointIOMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         self._raise_background_error()
+        if _lightning_adapter.launcher_weights(path, checkpoint):
+            return _save_torch(checkpoint, path)  # Lightning's launcher hands weights to the main process
         options = self._options(storage_options)
         path = local_path(path)
         ck, strategy = self._contents(checkpoint, path)
@@ -305,6 +307,14 @@ class OrtCheckpointIOMixin:
         if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
             return None
         return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
+
+
+def _save_torch(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """The module's weights that Lightning's spawn and fork launchers hand from the worker to the main process,
+    which reads them with its own ``CheckpointIO``: Lightning's ``TorchCheckpointIO`` where only the worker's
+    ``OrtCheckpoint`` installed ours. Lightning's transient file, written by Lightning's own writer, in a folder
+    of its own, which the launcher removes."""
+    loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")().save_checkpoint(state_dict, path)
 
 
 def _arming(arms: list[Callable[[list[Any]], None]]) -> Callable[[Any], None]:
