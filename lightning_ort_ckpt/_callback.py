@@ -181,8 +181,7 @@ class OrtCheckpointMixin(_Base):
         super().on_train_start(trainer, pl_module)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._resumption.choice = None
-        self._stand_in.drop()
+        _forget_last(self)
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns (and exports)
         _loggers.log_whole_units(trainer, self, finishing=True)  # what loggers log at finalize, after teardown
         super().teardown(trainer, pl_module, stage)
@@ -289,13 +288,8 @@ class OrtCheckpointMixin(_Base):
 
     # -- resume (_registry, _resume) -----------------------------------------------------------------------------
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        """Lightning's question for ``ckpt_path="last"``, which dates each answer (a file system's modification
-        time): :meth:`resolve_last`, or a local stand-in for it on a store (``_lightning_adapter.LastStandIn``)."""
-        found = self.resolve_last(trainer)
-        if found is None:
-            return set()
-        store = self._store(found)
-        return {found if store.local else self._stand_in.path_for(found, store.modified(found))}
+        """Lightning's question for "last", whose answers it dates: :meth:`resolve_last` (:func:`_datable`)."""
+        return {_datable(self, found)} if (found := self.resolve_last(trainer)) else set()
 
     def resolve_last(self, trainer: Any) -> str | None:
         """What ``ckpt_path="last"`` resumes from (``_resume``)."""
@@ -393,6 +387,18 @@ def _agree_on_last(callback: OrtCheckpointMixin, trainer: Any, stage: str) -> No
         _ranks.all_ranks(trainer), str(dirpath), lambda path: _lightning_adapter.set_resumed_path(trainer, path)))
     if fallback is not None:
         _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
+
+
+def _datable(callback: OrtCheckpointMixin, found: str) -> str:
+    """``found`` where Lightning can date it; on a store, a local stand-in (``_lightning_adapter.LastStandIn``)."""
+    store = callback._store(found)
+    return found if store.local else callback._stand_in.path_for(found, store.modified(found))
+
+
+def _forget_last(callback: OrtCheckpointMixin) -> None:
+    """At teardown: what "last" resolved to is this fit's only (its stand-in, if any, deleted)."""
+    callback._resumption.choice = None
+    callback._stand_in.drop()
 
 
 def _check_copy(callback: OrtCheckpointMixin, trainer: Any) -> None:

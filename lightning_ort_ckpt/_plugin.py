@@ -282,8 +282,7 @@ class OrtCheckpointIOMixin:
             self._attachment.undo()
         self._attachment = _strategies.attach(strategy, self)
         self._unwrap = self._attachment.undo if self._attachment is not None else None
-        arms = [self._executors[True].arm, *([self._attachment.arm] if self._attachment is not None else [])]
-        self._train_start.bind(strategy, self.fast_forward_iterables, _arming(arms))  # staging waits for steps
+        self._train_start.bind(strategy, self.fast_forward_iterables, _arming(self._executors[True], self._attachment))
         self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
@@ -317,11 +316,13 @@ def _save_torch(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> Non
     loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")().save_checkpoint(state_dict, path)
 
 
-def _arming(arms: list[Callable[[list[Any]], None]]) -> Callable[[Any], None]:
-    """What hands a strategy's optimizers (they exist once its training data is set up) to each stager."""
+def _arming(executor: SaveExecutor, attachment: _strategies.Attachment | None) -> Callable[[Any], None]:
+    """What hands a strategy's optimizers, once its training data is set up (they exist by then), to the staging
+    memory of the plugin's asynchronous saves and of a sharded strategy's: they wait for the first steps."""
     def arm(strategy: Any) -> None:
-        for each in arms:
-            each(list(strategy.optimizers))
+        executor.arm(list(strategy.optimizers))
+        if attachment is not None:
+            attachment.arm(list(strategy.optimizers))
 
     return arm
 
