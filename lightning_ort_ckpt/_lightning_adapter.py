@@ -530,10 +530,10 @@ def calling_strategy(io: Any, depth: int = 4) -> Any:
     return None
 
 
-def wrap_fabric_save(strategy: Any, save: Callable[..., Any]) -> None:
-    """Make ``strategy.save_checkpoint`` (this instance of a Fabric strategy, for as long as it exists) call
-    ``save(original, *args)``: what ``fabric.save`` asks is seen before Fabric turns its modules and optimizers into
-    state dicts. Wrapped again, it wraps Lightning's own method, never ours."""
+def wrap_fabric_save(strategy: Any, save: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``strategy.save_checkpoint`` (this instance of a Fabric strategy) call ``save(original, *args)``: what
+    ``fabric.save`` asks is seen before Fabric turns its modules and optimizers into state dicts. Wrapped again, it
+    wraps Lightning's own method, never ours. Returns what puts Lightning's method back (the plugin's teardown)."""
     original = type(strategy).save_checkpoint.__get__(strategy)
 
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
@@ -541,3 +541,9 @@ def wrap_fabric_save(strategy: Any, save: Callable[..., Any]) -> None:
 
     setattr(save_checkpoint, _MARK, True)
     strategy.__dict__["save_checkpoint"] = save_checkpoint
+
+    def unwrap() -> None:
+        if strategy.__dict__.get("save_checkpoint") is save_checkpoint:
+            del strategy.__dict__["save_checkpoint"]
+
+    return unwrap

@@ -287,11 +287,11 @@ class OrtCheckpointIOMixin:
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
         """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
-        for as long as the strategy holds it, fit after fit (a sharded strategy keeps saving and loading through this
-        plugin after ``teardown``), as if ``BindCheckpointIO`` were there. DeepSpeed is refused here, when the
-        Trainer is made. A Fabric strategy: its saves are watched for the modules and optimizers (``_fabric``)."""
-        if _fabric.is_fabric_strategy(strategy):
+        fit after fit while the strategy holds it (a sharded one keeps saving and loading through it after
+        ``teardown``), as if ``BindCheckpointIO`` were there; DeepSpeed is refused here, when the Trainer is made."""
+        if _fabric.is_fabric_strategy(strategy):  # its saves watched for modules and optimizers until teardown
             self._fabric = _fabric.FabricSaves(strategy)
+            self._unwrap = self._fabric.close
             return
         self.bind(strategy)
         self._unwrap = self._attachment.close if self._attachment is not None else None

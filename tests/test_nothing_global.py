@@ -161,7 +161,8 @@ def test_a_trainer_of_ours_leaves_the_process_as_it_found_it(configuration: str,
 
 def test_fabric_leaves_the_process_as_it_found_it(tmp_path: Path, no_collector: None) -> None:
     """``Fabric(plugins=[OrtCheckpointIO()])``: a save and a load change nothing of the process but
-    :data:`STILL_GLOBAL` while the plugin exists."""
+    :data:`STILL_GLOBAL` while the plugin exists; the wrap of the strategy instance's save is gone at the plugin's
+    teardown."""
     from lightning_fabric import Fabric
 
     before = snapshot()
@@ -175,7 +176,9 @@ def test_fabric_leaves_the_process_as_it_found_it(tmp_path: Path, no_collector: 
     fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
     state = {"model": model, "optimizer": optimizer}
     assert fabric.load(tmp_path / "fabric.ckpt", state) == {"step": 1}
+    assert "save_checkpoint" in fabric.strategy.__dict__  # watched, on that instance only
     plugin.teardown()
+    assert "save_checkpoint" not in fabric.strategy.__dict__  # and no more after the plugin's teardown
     assert differences(before, snapshot()) <= STILL_GLOBAL
 
 
