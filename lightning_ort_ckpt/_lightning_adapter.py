@@ -4,7 +4,7 @@ Supported: ``pytorch-lightning`` / ``lightning`` from the floor pinned in ``pypr
 ``ModelCheckpoint(save_on_exception=...)``) to the newest release; ``scripts/floor.sh`` (run by ``.ci/run``) runs the
 smoke tests on the floor, the whole suite runs on the newest.
 
-Three kinds of use:
+What it holds:
 
 - **reads and calls** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`,
   :func:`logger_log_model`, :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`,
@@ -17,8 +17,9 @@ Three kinds of use:
   (torch.distributed.checkpoint, ``torch.load``); while an ``OrtCheckpointIO`` is bound to such a strategy
   instance, these methods (and ``teardown``, which ends the plugin's work too) are ours (``_strategies``), set on
   that instance only and removed at the plugin's ``teardown``. The strategy's save mode is read here
-  (:func:`sharded_state_dict`). Every strategy a plugin is bound to has its ``process_dataloader`` wrapped the same
-  way (:func:`wrap_process_dataloader`), to learn the training loaders before their first iterator is drawn;
+  (:func:`sharded_state_dict`). Every strategy a plugin is bound to has its ``process_dataloader`` wrapped on that
+  instance too (:func:`wrap_process_dataloader`), until the plugin is bound again, to learn the training loaders
+  before their first iterator is drawn (and that the fit's optimizers exist: the staging memory arms then);
 - **"last" on a store** (:class:`LastStandIn`): Lightning resolves ``ckpt_path="last"`` before any callback hook,
   from each checkpoint callback's ``_find_last_checkpoints`` (``OrtCheckpoint`` answers with the checkpoint its
   registry resolves: newest by the step it records, one that can resume), then asks the file system of each
@@ -31,21 +32,24 @@ Three kinds of use:
   fallback does: it wraps one ``load_checkpoint`` for one load and names the checkpoint it fell back to as the
   Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
 - **the setter** ``Strategy.checkpoint_io`` of Lightning's base strategy classes (Trainer's and Fabric's), wrapped
-  while an ``OrtCheckpointIO`` exists (:data:`CHECKPOINT_IO_ASSIGNMENT`): it tells the plugin which strategy it
-  serves; a Fabric strategy's ``save_checkpoint`` is wrapped per instance (:func:`wrap_fabric_save`), and a Trainer
-  unpickled in a spawned process is found from the calling frames (:func:`calling_strategy`);
+  while an ``OrtCheckpointIO`` exists (:data:`CHECKPOINT_IO_ASSIGNMENT`; released by the garbage collector, the one
+  process-wide wrap left: ARCHITECTURE.md, "What is global"): it tells the plugin which strategy it serves; a Fabric
+  strategy's ``save_checkpoint`` is wrapped per instance until the plugin's teardown (:func:`wrap_fabric_save`),
+  and a Trainer unpickled in a spawned process is found from the calling frames (:func:`calling_strategy`: it reads
+  them, installs nothing);
 - **the loader wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
   ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
   content; every other file goes to Lightning's own function, unchanged. It is what lets
   ``LightningModule.load_from_checkpoint`` read ORT files. Nothing installs it at import nor when one of our objects
   is made: it is on after ``lightning_ort_ckpt.enable_ort_loading()`` (an explicit, process-wide opt-in) and within
   one call of ours (``lightning_ort_ckpt.load_from_checkpoint``, export), and Lightning's own function is put back
-  when every request is undone. The spawn/fork launchers' hand-over of the worker's weights
-  (:func:`launcher_weights`: ``_MultiProcessingLauncher`` reads them with the main process's own ``CheckpointIO``,
-  Lightning's ``TorchCheckpointIO`` where the worker's callback installed ours) is written by the worker's plugin
-  with Lightning's torch writer. Within :func:`serving` it hands back a checkpoint dict already read
-  instead of reading the file again (export reads the weights once, then builds the module with
-  ``load_from_checkpoint``). This module imports neither torch nor Lightning, nor any module of ours.
+  when every request is undone. Within :func:`serving` it hands back a checkpoint dict already read instead of
+  reading the file again (export reads the weights once, then builds the module with ``load_from_checkpoint``).
+  The spawn/fork launchers' hand-over of the worker's weights (:func:`launcher_weights`: ``_MultiProcessingLauncher``
+  reads them with the main process's own ``CheckpointIO``, Lightning's ``TorchCheckpointIO`` where the worker's
+  callback installed ours) needs no wrap: the worker's plugin writes that file with Lightning's torch writer.
+
+This module imports neither torch nor Lightning, and of ours only the format's file identifier.
 """
 
 from __future__ import annotations
