@@ -122,7 +122,7 @@ class OrtCheckpointMixin(_Base):
             self._train_time_interval = train_time_interval
         self.keep_newest, self.resume_fallback = keep_newest, resume_fallback
         self._own_io = checkpoint_io is not None or bool(settings)  # chosen here: the Trainer's may not replace it
-        self.checkpoint_io: OrtCheckpointIOMixin = checkpoint_io or self.plugin_class(**settings)
+        self.checkpoint_io: OrtCheckpointIOMixin = checkpoint_io or _own_plugin(self.plugin_class, settings)
         self.export_best_to, self.export_tolerance = export_best_to, export_tolerance
         self._exporter: Any = None
         self.current_score_step: int | None = None
@@ -387,6 +387,14 @@ def _agree_on_last(callback: OrtCheckpointMixin, trainer: Any, stage: str) -> No
         _ranks.all_ranks(trainer), str(dirpath), lambda path: _lightning_adapter.set_resumed_path(trainer, path)))
     if fallback is not None:
         _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
+
+
+def _own_plugin(plugin_class: type[OrtCheckpointIOMixin], settings: dict[str, Any]) -> OrtCheckpointIOMixin:
+    """The callback's own plugin, which it installs and binds in ``setup``: it needs no word of Lightning's
+    assignment, so it lets go of the ``checkpoint_io`` setter's wrap at once (making the callback installs nothing)."""
+    plugin = plugin_class(**settings)
+    plugin._assignment()
+    return plugin
 
 
 def _datable(callback: OrtCheckpointMixin, found: str) -> str:

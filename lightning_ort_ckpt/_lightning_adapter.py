@@ -32,8 +32,9 @@ What it holds:
   fallback does: it wraps one ``load_checkpoint`` for one load and names the checkpoint it fell back to as the
   Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
 - **the setter** ``Strategy.checkpoint_io`` of Lightning's base strategy classes (Trainer's and Fabric's), wrapped
-  while an ``OrtCheckpointIO`` exists (:data:`CHECKPOINT_IO_ASSIGNMENT`; released by the garbage collector, the one
-  process-wide wrap left: ARCHITECTURE.md, "What is global"): it tells the plugin which strategy it serves; a Fabric
+  while an ``OrtCheckpointIO`` made by the user exists (:data:`CHECKPOINT_IO_ASSIGNMENT`; released by the garbage
+  collector, the one process-wide wrap left: ARCHITECTURE.md, "What is global"; ``OrtCheckpoint``'s own plugin lets
+  go of it at once): it tells the plugin which strategy it serves; a Fabric
   strategy's ``save_checkpoint`` is wrapped per instance until the plugin's teardown (:func:`wrap_fabric_save`),
   and a Trainer unpickled in a spawned process is found from the calling frames (:func:`calling_strategy`: it reads
   them, installs nothing);
@@ -496,10 +497,10 @@ class CheckpointIOAssignment:
                     setattr(cls, "checkpoint_io", prop)
                 self._wrapped.clear()
 
-    def hold_while(self, owner: object) -> None:
-        """Hold the wrap on for as long as ``owner`` exists."""
+    def hold_while(self, owner: object) -> Callable[[], object]:
+        """Hold the wrap on for as long as ``owner`` exists; returns what lets go of that hold at once (once)."""
         self.acquire()
-        weakref.finalize(owner, self.release)
+        return weakref.finalize(owner, self.release)
 
 
 def _announcing(fset: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:

@@ -109,7 +109,7 @@ class OrtCheckpointIOMixin:
         self._unwrap: Callable[[], None] | None = None  # what ``teardown`` undoes of it
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
-        _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
+        self._assignment = _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)  # (a callback's lets go)
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only: no thread, buffers or owner."""
