@@ -97,6 +97,7 @@ class OrtCheckpointIOMixin:
         self.storage_options = storage_options
         self.fast_forward_iterables = fast_forward_iterables
         self._start(async_save)
+        self._assignment = _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)  # not when unpickled (spawn)
 
     def _start(self, async_save: bool) -> None:
         """The per-process state: none of it travels to a spawned process (the launcher pickles the Trainer)."""
@@ -109,7 +110,6 @@ class OrtCheckpointIOMixin:
         self._unwrap: Callable[[], None] | None = None  # what ``teardown`` undoes of it
         self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
-        self._assignment = _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)  # (a callback's lets go)
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only: no thread, buffers or owner."""
