@@ -107,6 +107,9 @@ class SaveExecutor(Protocol):
     def prepare(self, sources: Sources) -> None:
         """Get ready, ahead of the first save, for saves of ``sources``."""
 
+    def arm(self, optimizers: list[Any]) -> None:
+        """The fit's ``optimizers`` exist: the preparation waits for their first steps."""
+
     def join(self) -> None:
         """Return once everything run so far has finished."""
 
@@ -129,6 +132,9 @@ class InlineSaves:
         fn(*args)
 
     def prepare(self, sources: Sources) -> None:
+        pass
+
+    def arm(self, optimizers: list[Any]) -> None:
         pass
 
     def join(self) -> None:
@@ -178,6 +184,10 @@ class BackgroundSaves:
             return what
 
         self._stager.prepare(found)
+
+    def arm(self, optimizers: list[Any]) -> None:
+        """The fit's ``optimizers`` exist: the staging memory waits for their first steps (``_staging_memory``)."""
+        self._stager.arm(optimizers)
 
     def join(self) -> None:
         if self._queue is not None:

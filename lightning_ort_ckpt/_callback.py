@@ -123,7 +123,7 @@ class OrtCheckpointMixin(_Base):
             self._train_time_interval = train_time_interval
         self.keep_newest, self.resume_fallback = keep_newest, resume_fallback
         self._own_io = checkpoint_io is not None or bool(settings)  # chosen here: the Trainer's may not replace it
-        self.checkpoint_io: OrtCheckpointIOMixin = checkpoint_io or self.plugin_class(**settings)
+        self.checkpoint_io: OrtCheckpointIOMixin = checkpoint_io or _own_plugin(self.plugin_class, settings)
         self.export_best_to, self.export_tolerance = export_best_to, export_tolerance
         self._exporter: Any = None
         self.current_score_step: int | None = None
@@ -133,7 +133,7 @@ class OrtCheckpointMixin(_Base):
         self._resumption = _resume.Resumption(resume_fallback)
         self._preservation = Preservation(keep_newest, self._resumption, self.FILE_EXTENSION)
         self._tier = tier(local, self.FILE_EXTENSION, dirpath)  # (_tiers: nothing without local=)
-        _lightning_adapter.LAST_RESOLUTION.hold_while(self)
+        self._stand_in = _lightning_adapter.LastStandIn()  # what Lightning dates for "last" on a store
 
     # -- set-up -------------------------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -184,7 +184,7 @@ class OrtCheckpointMixin(_Base):
         super().on_train_start(trainer, pl_module)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._resumption.choice = None
+        _forget_last(self)
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns (and exports)
         _loggers.log_whole_units(trainer, self, finishing=True)  # what loggers log at finalize, after teardown
         super().teardown(trainer, pl_module, stage)
@@ -294,11 +294,12 @@ class OrtCheckpointMixin(_Base):
         _link(self, trainer, filepath, linkpath)
 
     # -- resume (_registry, _resume) -----------------------------------------------------------------------------
-    def resolve_last(self, trainer: Any) -> str | None:
-        """What ``ckpt_path="last"`` resumes from (``_resume``; Lightning asks through ``_lightning_adapter``)."""
-        return next(iter(self._find_last_checkpoints(trainer)), None)
-
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        """Lightning's question for "last", whose answers it dates: :meth:`resolve_last` (:func:`_datable`)."""
+        return {_datable(self, found)} if (found := self.resolve_last(trainer)) else set()
+
+    def resolve_last(self, trainer: Any) -> str | None:
+        """What ``ckpt_path="last"`` resumes from (``_resume``)."""
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
         entries = _registry.scan(directory, self._store(directory), self.checkpoint_io.storage_options,
                                  extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,  # sub-folders
@@ -307,11 +308,10 @@ class OrtCheckpointMixin(_Base):
         if rank_zero:
             self._preservation.take_half(entries)
         entries = self._tier.nearest_first(entries, trainer)  # every tier's, nearest first (_tiers)
-        found = self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
-                                      io=bound_plugin(trainer) or self.checkpoint_io,
-                                      storage_options=self.checkpoint_io.storage_options,
-                                      module=trainer.lightning_module)
-        return {found} if found else set()
+        return self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
+                                     io=bound_plugin(trainer) or self.checkpoint_io,
+                                     storage_options=self.checkpoint_io.storage_options,
+                                     module=trainer.lightning_module)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,
@@ -391,10 +391,30 @@ def _agree_on_last(callback: OrtCheckpointMixin, trainer: Any, stage: str) -> No
     io, resumption = callback.checkpoint_io, callback._resumption
     resumption.agree(lambda mine, adopt: _ranks.agree(trainer, dirpath, callback._store(), stage == "fit", mine, adopt),
                      str(dirpath), io, io.storage_options)
-    fallback = resumption.loading(_ranks.all_ranks(trainer), str(dirpath),
-                                  lambda path: _lightning_adapter.set_resumed_path(trainer, path))
+    fallback = callback._stand_in.loading(trainer, resumption.loading(
+        _ranks.all_ranks(trainer), str(dirpath), lambda path: _lightning_adapter.set_resumed_path(trainer, path)))
     if fallback is not None:
         _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
+
+
+def _own_plugin(plugin_class: type[OrtCheckpointIOMixin], settings: dict[str, Any]) -> OrtCheckpointIOMixin:
+    """The callback's own plugin, which it installs and binds in ``setup``: it needs no word of Lightning's
+    assignment, so it lets go of the ``checkpoint_io`` setter's wrap at once (making the callback installs nothing)."""
+    plugin = plugin_class(**settings)
+    plugin._assignment()
+    return plugin
+
+
+def _datable(callback: OrtCheckpointMixin, found: str) -> str:
+    """``found`` where Lightning can date it; on a store, a local stand-in (``_lightning_adapter.LastStandIn``)."""
+    store = callback._store(found)
+    return found if store.local else callback._stand_in.path_for(found, store.modified(found))
+
+
+def _forget_last(callback: OrtCheckpointMixin) -> None:
+    """At teardown: what "last" resolved to is this fit's only (its stand-in, if any, deleted)."""
+    callback._resumption.choice = None
+    callback._stand_in.drop()
 
 
 def _check_copy(callback: OrtCheckpointMixin, trainer: Any) -> None:

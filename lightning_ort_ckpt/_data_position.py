@@ -23,6 +23,7 @@ import collections
 import itertools
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +56,10 @@ class TrainData:
     """The data positions of the fits of one strategy: watches the training loaders Lightning hands the strategy,
     says where they stand (:meth:`position`), and resumes them (:meth:`resume_at`)."""
 
-    def __init__(self, strategy: Any, fast_forward_iterables: bool = False) -> None:
+    def __init__(self, strategy: Any, fast_forward_iterables: bool = False,
+                 data_ready: Callable[[Any], None] = lambda strategy: None) -> None:
         self._strategy = weakref.ref(strategy)
+        self._data_ready = data_ready  # told of every loader Lightning sets up (the plugin's staging waits then)
         self._fast_forward = fast_forward_iterables
         self._watched: dict[int, _Loader] = {}
         self._pending: list[Any] = []  # per training loader: the saved position to resume at, or None
@@ -71,6 +74,9 @@ class TrainData:
 
     def _watch(self, loader: Any) -> None:
         """A loader Lightning prepared: its iterators are made through :meth:`_make` from now on."""
+        strategy = self._strategy()
+        if strategy is not None:
+            self._data_ready(strategy)
         if not isinstance(loader, torch.utils.data.DataLoader) or id(loader) in self._watched or _stateful(loader):
             return
         self._watched[id(loader)] = _Loader(loader)

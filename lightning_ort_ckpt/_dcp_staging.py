@@ -66,9 +66,13 @@ class ShardStager:
     def prepare(self, sources: Sources) -> None:
         """Allocate the first save's memory ahead of it: ``sources`` gives the tensors a save will stage (the
         module's parameters and buffers, DTensors or not) and the optimizers (their state too), or None while saves
-        are synchronous; asked after each optimizer step until every optimizer has stepped once. The process group
+        are synchronous; asked, from :meth:`arm` on, after each optimizer step until every optimizer has stepped once. The process group
         of the background writes is made then too (every rank steps alike)."""
         self._memory.prepare(sources, first=self.group)
+
+    def arm(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The fit's ``optimizers`` exist: wait for their first steps (``StagingMemory.arm``)."""
+        self._memory.arm(optimizers)
 
     def prepare_like(self, flat: dict[str, torch.Tensor]) -> None:
         """Allocate (and touch) on a thread of its own a buffer for each key of ``flat`` (DCP keys to tensors and

@@ -4,7 +4,7 @@ Fabric turns the modules and optimizers of ``fabric.save(path, {"model": model, 
 into their state dicts before its ``CheckpointIO`` sees them, so the plugin alone could not tell trainable
 parameters from buffers, nor name optimizer moments. While the plugin is Fabric's (Lightning hands it to a Fabric
 strategy: ``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``), :class:`FabricSaves` watches that strategy's
-``save_checkpoint`` and remembers which keys of the state hold which module and optimizer. The plugin then saves
+``save_checkpoint`` (that instance's, until the plugin's ``teardown``) and remembers which keys of the state hold which module and optimizer. The plugin then saves
 the state in the layout of a Lightning checkpoint (``state_dict``: the module's, or the modules' under their keys;
 ``optimizer_states``: in the order of their keys), which ORT trains from, and records under :data:`FABRIC_KEY`
 where each key went and the rest of the state; :func:`fabric_state` gives ``fabric.load`` the state back, key for
@@ -38,7 +38,8 @@ class FabricSaves:
 
     def __init__(self, strategy: Any) -> None:
         self.pending: tuple[dict[str, torch.nn.Module], dict[str, torch.optim.Optimizer]] | None = None
-        _lightning_adapter.wrap_fabric_save(strategy, self._save)
+        self.close = _lightning_adapter.wrap_fabric_save(strategy, self._save)
+        """Puts Fabric's own ``save_checkpoint`` back on the strategy (the plugin's ``teardown``)."""
 
     def _save(self, original: Any, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         modules = {k: _unwrapped(v) for k, v in state.items() if isinstance(v, torch.nn.Module)}

@@ -4,7 +4,7 @@ Supported: ``pytorch-lightning`` / ``lightning`` from the floor pinned in ``pypr
 ``ModelCheckpoint(save_on_exception=...)``) to the newest release; ``scripts/floor.sh`` (run by ``.ci/run``) runs the
 smoke tests on the floor, the whole suite runs on the newest.
 
-Three kinds of use:
+What it holds:
 
 - **reads and calls** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`,
   :func:`logger_log_model`, :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`,
@@ -17,30 +17,40 @@ Three kinds of use:
   (torch.distributed.checkpoint, ``torch.load``); while an ``OrtCheckpointIO`` is bound to such a strategy
   instance, these methods (and ``teardown``, which ends the plugin's work too) are ours (``_strategies``), set on
   that instance only and removed at the plugin's ``teardown``. The strategy's save mode is read here
-  (:func:`sharded_state_dict`). Every strategy a plugin is bound to has its ``process_dataloader`` wrapped the same
-  way (:func:`wrap_process_dataloader`), to learn the training loaders before their first iterator is drawn;
-- **the "last" wrap** of ``_CheckpointConnector._parse_ckpt_path`` (:data:`LAST_RESOLUTION`), on while an
-  ``OrtCheckpoint`` exists: ``ckpt_path="last"``, where every checkpoint callback of the Trainer is an
-  ``OrtCheckpoint`` (one) and no ``OnExceptionCheckpoint`` competes, is the checkpoint that callback resolves.
-  Lightning's own rule asks the file system for each candidate's modification time, which a checkpoint folder on
-  an object store (``s3://``, ``memory://``) does not have (``IsADirectoryError``); ours orders by the step each
-  checkpoint records. Every other ``ckpt_path`` goes to Lightning's function unchanged. The F2 fallback wraps one
-  ``load_checkpoint`` of a strategy instance for one load (:func:`wrap_next_load`) and names the checkpoint it
-  fell back to as the Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
+  (:func:`sharded_state_dict`). Every strategy a plugin is bound to has its ``process_dataloader`` wrapped on that
+  instance too (:func:`wrap_process_dataloader`), until the plugin is bound again, to learn the training loaders
+  before their first iterator is drawn (and that the fit's optimizers exist: the staging memory arms then);
+- **"last" on a store** (:class:`LastStandIn`): Lightning resolves ``ckpt_path="last"`` before any callback hook,
+  from each checkpoint callback's ``_find_last_checkpoints`` (``OrtCheckpoint`` answers with the checkpoint its
+  registry resolves: newest by the step it records, one that can resume), then asks the file system of each
+  answer for its modification time (``fsspec``, without the callback's ``storage_options``), which a checkpoint
+  folder on an object store (``s3://``, ``memory://``) does not have (``IsADirectoryError``) and a store that needs
+  its options cannot give. So a checkpoint on a store is answered by a local empty file dated as the checkpoint;
+  Lightning's next ``load_checkpoint`` of it is a load of the checkpoint, which becomes the Trainer's
+  ``ckpt_path``, and the file is deleted in the callback's ``setup`` (or ``teardown``). Nothing of Lightning's is
+  wrapped for it but that one load, on that Trainer's strategy instance (:func:`wrap_next_load`), as the F2
+  fallback does: it wraps one ``load_checkpoint`` for one load and names the checkpoint it fell back to as the
+  Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
 - **the setter** ``Strategy.checkpoint_io`` of Lightning's base strategy classes (Trainer's and Fabric's), wrapped
-  while an ``OrtCheckpointIO`` exists (:data:`CHECKPOINT_IO_ASSIGNMENT`): it tells the plugin which strategy it
-  serves; a Fabric strategy's ``save_checkpoint`` is wrapped per instance (:func:`wrap_fabric_save`), and a Trainer
-  unpickled in a spawned process is found from the calling frames (:func:`calling_strategy`);
+  while an ``OrtCheckpointIO`` made by the user exists (:data:`CHECKPOINT_IO_ASSIGNMENT`; released by the garbage
+  collector, the one process-wide wrap left: ARCHITECTURE.md, "What is global"; ``OrtCheckpoint``'s own plugin lets
+  go of it at once): it tells the plugin which strategy it serves; a Fabric
+  strategy's ``save_checkpoint`` is wrapped per instance until the plugin's teardown (:func:`wrap_fabric_save`),
+  and a Trainer unpickled in a spawned process is found from the calling frames (:func:`calling_strategy`: it reads
+  them, installs nothing);
 - **the loader wrap** of a Lightning function, :data:`ORT_LOADING`: Lightning's torch loader (``_load``, bound as
   ``pl_load`` in ``core.saving`` and in ``TorchCheckpointIO``'s module) learns to read ORT files, recognized by
   content; every other file goes to Lightning's own function, unchanged. It is what lets
-  ``LightningModule.load_from_checkpoint`` read ORT files, and the main process of the spawn/fork launchers read the
-  weights file its worker wrote with ``OrtCheckpointIO`` (``_MultiProcessingLauncher`` reads it with the main
-  process's ``TorchCheckpointIO``). Nothing installs it at import: it is on while an ``OrtCheckpoint`` or
-  ``OrtCheckpointIO`` exists, or after ``lightning_ort_ckpt.enable_ort_loading()``, and Lightning's own function is
-  put back when neither holds it any more. Within :func:`serving` it hands back a checkpoint dict already read
-  instead of reading the file again (export reads the weights once, then builds the module with
-  ``load_from_checkpoint``). This module imports neither torch nor Lightning, nor any module of ours.
+  ``LightningModule.load_from_checkpoint`` read ORT files. Nothing installs it at import nor when one of our objects
+  is made: it is on after ``lightning_ort_ckpt.enable_ort_loading()`` (an explicit, process-wide opt-in) and within
+  one call of ours (``lightning_ort_ckpt.load_from_checkpoint``, export), and Lightning's own function is put back
+  when every request is undone. Within :func:`serving` it hands back a checkpoint dict already read instead of
+  reading the file again (export reads the weights once, then builds the module with ``load_from_checkpoint``).
+  The spawn/fork launchers' hand-over of the worker's weights (:func:`launcher_weights`: ``_MultiProcessingLauncher``
+  reads them with the main process's own ``CheckpointIO``, Lightning's ``TorchCheckpointIO`` where the worker's
+  callback installed ours) needs no wrap: the worker's plugin writes that file with Lightning's torch writer.
+
+This module imports neither torch nor Lightning, and of ours only the format's file identifier.
 """
 
 from __future__ import annotations
@@ -304,9 +314,9 @@ def unwrap_strategy_checkpointing(strategy: Any) -> None:
 
 # -- the loader wrap --------------------------------------------------------------------------------------------
 class OrtLoading:
-    """The wrap of Lightning's loader, on while anyone holds it: every holder is counted, the last release puts
-    Lightning's own functions back. ``is_ort`` and ``load_ort`` are the reader's (passed in: this module imports
-    none of ours)."""
+    """The wrap of Lightning's loader, on while it is asked for (``enable_ort_loading()``, or one call of ours):
+    every acquire is counted, the last release puts Lightning's own functions back. ``is_ort`` and ``load_ort`` are
+    the reader's (passed in: this module imports none of ours)."""
 
     def __init__(self) -> None:
         self._holders = 0
@@ -339,11 +349,6 @@ class OrtLoading:
                     setattr(module, attr, original)
                 self._wrapped.clear()
 
-    def hold_while(self, owner: object, is_ort: Callable[[Any], bool], load_ort: Callable[[Any, Any], Any]) -> None:
-        """Hold the wrap on for as long as ``owner`` exists."""
-        self.acquire(is_ort, load_ort)
-        weakref.finalize(owner, self.release)
-
     def _ort_aware(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def pl_load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
             served = _SERVED.get()
@@ -371,55 +376,57 @@ class OrtLoading:
 ORT_LOADING = OrtLoading()
 
 
-_CONNECTORS = ("pytorch_lightning.trainer.connectors.checkpoint_connector",
-               "lightning.pytorch.trainer.connectors.checkpoint_connector")
-
-
-class LastResolution:
-    """The wrap of ``_CheckpointConnector._parse_ckpt_path`` (module doc), on while anyone holds it, as
-    :class:`OrtLoading`. The callback that resolves "last" has a ``resolve_last(trainer)`` method."""
+class LastStandIn:
+    """``ckpt_path="last"`` on a store Lightning cannot ask a modification time of (module doc): a local empty file,
+    dated as the checkpoint it stands for, which ``_find_last_checkpoints`` hands Lightning; the Trainer's load of
+    it is a load of the checkpoint (:meth:`loading`), and it is deleted once Lightning has dated it."""
 
     def __init__(self) -> None:
-        self._holders = 0
-        self._lock = threading.Lock()
-        self._wrapped: list[tuple[type, Any]] = []
+        self._made: tuple[str, str] | None = None  # (the stand-in, the checkpoint)
 
-    def hold_while(self, owner: object) -> None:
-        with self._lock:
-            self._holders += 1
-            for module_name in _CONNECTORS:
-                connector = getattr(sys.modules.get(module_name), "_CheckpointConnector", None)
-                original = connector.__dict__.get("_parse_ckpt_path") if connector is not None else None
-                if original is not None and not getattr(original, _MARK, False):
-                    setattr(connector, "_parse_ckpt_path", _resolving_last(original))
-                    self._wrapped.append((connector, original))  # type: ignore[arg-type]
-        weakref.finalize(owner, self._release)
+    def path_for(self, path: str, modified: float) -> str:
+        """A stand-in for ``path`` (``modified``: its time, or ``-inf`` when the store does not know it)."""
+        self.drop()
+        folder = tempfile.mkdtemp(prefix="ort-ckpt-last-")
+        local = os.path.join(folder, os.path.basename(path.rstrip("/")) or "last")
+        with open(local, "wb"):
+            pass
+        when = modified if modified > 0 and modified != float("inf") else 0.0
+        os.utime(local, (when, when))
+        self._made = (local, path)
+        return local
 
-    def _release(self) -> None:
-        with self._lock:
-            self._holders = max(0, self._holders - 1)
-            if self._holders == 0:
-                for connector, original in reversed(self._wrapped):
-                    setattr(connector, "_parse_ckpt_path", original)
-                self._wrapped.clear()
+    def loading(self, trainer: Any, wrap: Callable[[Callable[[str], Any]], Callable[[str], Any]] | None
+                ) -> Callable[[Callable[[str], Any]], Callable[[str], Any]] | None:
+        """The wrap of the Trainer's next load (:func:`wrap_next_load`): the stand-in Lightning chose loads as the
+        checkpoint it stands for, which becomes the Trainer's ``ckpt_path``; then ``wrap`` (the fallback), if any.
+        The stand-in is deleted here (Lightning dated it already). None where there is nothing to wrap."""
+        made, self._made = self._made, None
+        self.drop(made)
+        if made is None:
+            return wrap
+        local, real = made
 
+        def mapping(load: Callable[[str], Any]) -> Callable[[str], Any]:
+            inner = wrap(load) if wrap is not None else load
 
-def _resolving_last(original: Callable[..., Any]) -> Callable[..., Any]:
-    def _parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.trainer
-        ours = [cb for cb in trainer.checkpoint_callbacks if callable(getattr(cb, "resolve_last", None))]
-        competing = any(type(cb).__name__ == "OnExceptionCheckpoint" for cb in trainer.callbacks)
-        if ckpt_path == "last" and len(ours) == 1 == len(trainer.checkpoint_callbacks) and not competing:
-            return ours[0].resolve_last(trainer)  # which says why where it found none (not Lightning's hint
-            # to set save_last: our "last" needs no save_last)
-        return original(self, state_fn, ckpt_path, *args, **kwargs)
+            def load_checkpoint(path: str) -> Any:
+                if os.fspath(path) == local:
+                    set_resumed_path(trainer, real)
+                    path = real
+                return inner(path)
 
-    setattr(_parse_ckpt_path, _MARK, True)
-    _parse_ckpt_path.__wrapped__ = original  # type: ignore[attr-defined]
-    return _parse_ckpt_path
+            return load_checkpoint
 
+        return mapping
 
-LAST_RESOLUTION = LastResolution()
+    def drop(self, made: tuple[str, str] | None = None) -> None:
+        """Delete the stand-in (``made``, or the one made last)."""
+        made = made or self._made
+        if made is not None:
+            shutil.rmtree(os.path.dirname(made[0]), ignore_errors=True)
+        if made is self._made:
+            self._made = None
 
 
 @contextlib.contextmanager
@@ -432,6 +439,17 @@ def serving(path: str | os.PathLike[str], checkpoint: Any) -> Iterator[None]:
         yield
     finally:
         _SERVED.reset(token)
+
+
+LAUNCHER_WEIGHTS_NAME = ".temp.ckpt"
+"""The name of the file in which Lightning's spawn and fork launchers (``_MultiProcessingLauncher``) hand the
+worker's weights (the module's bare ``state_dict``) to the main process, through each process's ``CheckpointIO``."""
+
+
+def launcher_weights(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> bool:
+    """Whether a save of ``checkpoint`` to ``path`` is that hand-over: the main process reads it with its own
+    ``CheckpointIO`` (Lightning's ``TorchCheckpointIO`` where only the worker's callback installed ours)."""
+    return os.path.basename(os.fspath(path)) == LAUNCHER_WEIGHTS_NAME and "state_dict" not in checkpoint
 
 
 def _is_ort_stream(stream: Any) -> bool:
@@ -491,10 +509,10 @@ class CheckpointIOAssignment:
                     setattr(cls, "checkpoint_io", prop)
                 self._wrapped.clear()
 
-    def hold_while(self, owner: object) -> None:
-        """Hold the wrap on for as long as ``owner`` exists."""
+    def hold_while(self, owner: object) -> Callable[[], object]:
+        """Hold the wrap on for as long as ``owner`` exists; returns what lets go of that hold at once (once)."""
         self.acquire()
-        weakref.finalize(owner, self.release)
+        return weakref.finalize(owner, self.release)
 
 
 def _announcing(fset: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
@@ -529,10 +547,10 @@ def calling_strategy(io: Any, depth: int = 4) -> Any:
     return None
 
 
-def wrap_fabric_save(strategy: Any, save: Callable[..., Any]) -> None:
-    """Make ``strategy.save_checkpoint`` (this instance of a Fabric strategy, for as long as it exists) call
-    ``save(original, *args)``: what ``fabric.save`` asks is seen before Fabric turns its modules and optimizers into
-    state dicts. Wrapped again, it wraps Lightning's own method, never ours."""
+def wrap_fabric_save(strategy: Any, save: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``strategy.save_checkpoint`` (this instance of a Fabric strategy) call ``save(original, *args)``: what
+    ``fabric.save`` asks is seen before Fabric turns its modules and optimizers into state dicts. Wrapped again, it
+    wraps Lightning's own method, never ours. Returns what puts Lightning's method back (the plugin's teardown)."""
     original = type(strategy).save_checkpoint.__get__(strategy)
 
     def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
@@ -540,3 +558,9 @@ def wrap_fabric_save(strategy: Any, save: Callable[..., Any]) -> None:
 
     setattr(save_checkpoint, _MARK, True)
     strategy.__dict__["save_checkpoint"] = save_checkpoint
+
+    def unwrap() -> None:
+        if strategy.__dict__.get("save_checkpoint") is save_checkpoint:
+            del strategy.__dict__["save_checkpoint"]
+
+    return unwrap

@@ -1,9 +1,9 @@
 """Loading outside a Trainer: the one line for scripts and notebooks.
 
 Our checkpoints are ORT files (``ODTC``), not torch files, though they keep Lightning's ``.ckpt`` name: torch's
-loader cannot read them. ``MyModel.load_from_checkpoint(path)`` reads them while an ``OrtCheckpoint`` or
-``OrtCheckpointIO`` exists or after :func:`~lightning_ort_ckpt.enable_ort_loading`; a fresh script has neither,
-so these two functions turn ORT loading on for their own call only:
+loader cannot read them. ``MyModel.load_from_checkpoint(path)`` reads them after
+:func:`~lightning_ort_ckpt.enable_ort_loading` (a process-wide opt-in); without it, these two functions turn ORT
+loading on for their own call only:
 
 - :func:`load_from_checkpoint`: ``lightning_ort_ckpt.load_from_checkpoint(MyModel, path, **kwargs)`` is
   ``MyModel.load_from_checkpoint(path, **kwargs)`` for ORT files, sharded checkpoint folders and torch files alike;

@@ -42,7 +42,8 @@ from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from . import _fabric, _lightning_adapter, _promotion, _rng, _sharing, _signals, _staging, _strategies, _train_start
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
-from ._reading import hold_ort_loading, is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
+from ._namespaces import loaded
+from ._reading import is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
@@ -96,6 +97,7 @@ class OrtCheckpointIOMixin:
         self.storage_options = storage_options
         self.fast_forward_iterables = fast_forward_iterables
         self._start(async_save)
+        self._assignment = _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)  # not when unpickled (spawn)
 
     def _start(self, async_save: bool) -> None:
         """The per-process state: none of it travels to a spawned process (the launcher pickles the Trainer)."""
@@ -110,8 +112,6 @@ class OrtCheckpointIOMixin:
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
         self._reentry = _signals.Reentry()  # its calls in progress: a save in a signal handler waits for them
         self._promotion: Callable[[str], str | None] | None = None  # where a save goes first (_tiers, _promotion)
-        hold_ort_loading(self)
-        _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only: no thread, buffers or owner."""
@@ -141,6 +141,8 @@ class OrtCheckpointIOMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         self._raise_background_error()
+        if _lightning_adapter.launcher_weights(path, checkpoint):
+            return _save_torch(checkpoint, path)  # Lightning's launcher hands weights to the main process
         options = self._options(storage_options)
         target = local_path(path)
         path = (self._promotion(target) if self._promotion else None) or target  # a fast-tier path first, copied
@@ -297,16 +299,16 @@ class OrtCheckpointIOMixin:
             self._attachment.undo()
         self._attachment = _strategies.attach(strategy, self)
         self._unwrap = self._attachment.undo if self._attachment is not None else None
-        self._train_start.bind(strategy, self.fast_forward_iterables)
+        self._train_start.bind(strategy, self.fast_forward_iterables, _arming(self._executors[True], self._attachment))
         self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
         """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
-        for as long as the strategy holds it, fit after fit (a sharded strategy keeps saving and loading through this
-        plugin after ``teardown``), as if ``BindCheckpointIO`` were there. DeepSpeed is refused here, when the
-        Trainer is made. A Fabric strategy: its saves are watched for the modules and optimizers (``_fabric``)."""
-        if _fabric.is_fabric_strategy(strategy):
+        fit after fit while the strategy holds it (a sharded one keeps saving and loading through it after
+        ``teardown``), as if ``BindCheckpointIO`` were there; DeepSpeed is refused here, when the Trainer is made."""
+        if _fabric.is_fabric_strategy(strategy):  # its saves watched for modules and optimizers until teardown
             self._fabric = _fabric.FabricSaves(strategy)
+            self._unwrap = self._fabric.close
             return
         self.bind(strategy)
         self._unwrap = self._attachment.close if self._attachment is not None else None
@@ -321,6 +323,25 @@ class OrtCheckpointIOMixin:
         if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
             return None
         return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
+
+
+def _save_torch(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """The module's weights that Lightning's spawn and fork launchers hand from the worker to the main process,
+    which reads them with its own ``CheckpointIO``: Lightning's ``TorchCheckpointIO`` where only the worker's
+    ``OrtCheckpoint`` installed ours. Lightning's transient file, written by Lightning's own writer, in a folder
+    of its own, which the launcher removes."""
+    loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")().save_checkpoint(state_dict, path)
+
+
+def _arming(executor: SaveExecutor, attachment: _strategies.Attachment | None) -> Callable[[Any], None]:
+    """What hands a strategy's optimizers, once its training data is set up (they exist by then), to the staging
+    memory of the plugin's asynchronous saves and of a sharded strategy's: they wait for the first steps."""
+    def arm(strategy: Any) -> None:
+        executor.arm(list(strategy.optimizers))
+        if attachment is not None:
+            attachment.arm(list(strategy.optimizers))
+
+    return arm
 
 
 def _raise(error: BaseException | None) -> None:

@@ -158,8 +158,8 @@ def _read_torch_checkpoint(path: str | os.PathLike[str], storage_options: Storag
 
 
 def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
-    """An ORT file as Lightning's loader returns a checkpoint (for ``load_from_checkpoint`` and the spawn launcher's
-    weights hand-back, see ``_lightning_adapter.OrtLoading``): no random states left in."""
+    """An ORT file as Lightning's loader returns a checkpoint (for ``load_from_checkpoint``, see
+    ``_lightning_adapter.OrtLoading``): no random states left in."""
     checkpoint = read_lightning_checkpoint(path)
     checkpoint.pop(RNG_KEY, None)
     checkpoint.pop(DATA_KEY, None)
@@ -168,22 +168,17 @@ def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = Non
 
 def enable_ort_loading() -> None:
     """Teach Lightning's loader (``LightningModule.load_from_checkpoint``, ``torch_io``) to read ORT files in the
-    copies of Lightning imported so far, for the rest of the process (:func:`disable_ort_loading` undoes it).
-
-    Not needed while an ``OrtCheckpoint`` or ``OrtCheckpointIO`` exists: each holds it on for its lifetime. Any
-    file that is not an ORT checkpoint goes to Lightning's own loader, exactly as before.
+    copies of Lightning imported so far, for the rest of the process (:func:`disable_ort_loading` undoes it): an
+    explicit, process-wide opt-in, the one thing of ours that outlives a call. Any file that is not an ORT
+    checkpoint goes to Lightning's own loader, exactly as before. Nothing else turns it on: a Trainer's loads go
+    through its ``OrtCheckpointIO``; ``lightning_ort_ckpt.load_from_checkpoint`` turns it on for its call only.
     """
     _lightning_adapter.ORT_LOADING.acquire(is_ort_checkpoint, load_ort_for_lightning)
 
 
 def disable_ort_loading() -> None:
-    """Undo :func:`enable_ort_loading` (Lightning's loader is its own again once no plugin or callback holds it)."""
+    """Undo :func:`enable_ort_loading` (Lightning's loader is its own again once every enable is undone)."""
     _lightning_adapter.ORT_LOADING.release()
-
-
-def hold_ort_loading(owner: object) -> None:
-    """Lightning's loader reads ORT files while ``owner`` (a plugin or callback of ours) exists."""
-    _lightning_adapter.ORT_LOADING.hold_while(owner, is_ort_checkpoint, load_ort_for_lightning)
 
 
 @contextlib.contextmanager

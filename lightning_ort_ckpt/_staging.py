@@ -239,9 +239,13 @@ class Stager:
 
     def prepare(self, sources: Sources) -> None:
         """Allocate (and touch, or pin) the first save's staging memory ahead of it, on a background thread, once
-        every optimizer ``sources()`` names has stepped (``StagingMemory.prepare``): touching fresh memory costs a
+        every optimizer ``sources()`` names has stepped (from :meth:`arm` on: ``StagingMemory``): touching fresh memory costs a
         page fault per page and pinning it more; off the training thread, a save every N steps finds it done."""
         self._memory.prepare(sources)
+
+    def arm(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The fit's ``optimizers`` exist: wait for their first steps (``StagingMemory.arm``)."""
+        self._memory.arm(optimizers)
 
     def _allocate(self, specs: list[Spec], touch: bool) -> list[torch.Tensor]:
         """Buffers for ``specs``: the pinned ones carved from one page-locked block (pinning faults every page in),

@@ -1,17 +1,18 @@
 """The staging memory of asynchronous saves, the part every layout shares: buffers reused from save to save,
 allocated ahead of the first one, let go at ``close``.
 
-- **Allocated ahead**: :meth:`StagingMemory.prepare` allocates (and touches) the first save's buffers on a thread of
-  its own once every optimizer a save will stage has taken its first step (Adam makes its state in its first step),
-  so a save every N steps finds them ready (:meth:`StagingMemory.ready`); :meth:`StagingMemory.prepare_keys`
-  allocates them for given keys at once (``dcp.async_save`` users).
+- **Allocated ahead**: :meth:`StagingMemory.prepare` names what a save will stage; once the fit's optimizers exist
+  (its training data is set up), :meth:`StagingMemory.arm` puts a step post-hook on each of them, and once every one
+  has taken its first step (Adam makes its state in its first step) the first save's buffers are allocated (and
+  touched) on a thread of its own, so a save every N steps finds them ready (:meth:`StagingMemory.ready`);
+  :meth:`StagingMemory.prepare_keys` allocates them for given keys at once (``dcp.async_save`` users).
 - **Reused, bounded**: each save takes (:meth:`StagingMemory.take`) the previous save's buffer of the same key and
   shape, else one allocated ahead of the same shape, else a new one; what it does not take is let go before it
   allocates what it lacks, so one copy of the state exists at a time.
-- **Hooks removed where torch does not iterate them**: the optimizer step post-hook that waits for the first steps
-  is torch's global one (``prepare`` is called when a plugin is bound, before the strategy has made its
-  optimizers); it never removes itself (torch is iterating over that dictionary while it calls it): once it has
-  started the allocation it does nothing, and the next :meth:`take` or :meth:`close` removes it.
+- **Hooks on the fit's own optimizers, removed where torch does not iterate them**: never torch's global registry.
+  A hook never removes itself (torch is iterating over the optimizer's hooks while it calls it): once it has
+  started the allocation it does nothing, and the next :meth:`take` or :meth:`close` (the plugin's teardown)
+  removes them all.
 
 How a buffer is made (pinned, one block, carved) and what is copied into it is the layout's (``_staging``: a
 module's tensors; ``_dcp_staging``: each rank's shards), given as ``allocate`` and ``spec``.
@@ -24,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 Spec = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, pinned: what a staging buffer must be to hold a copy
 Found = tuple[list[torch.Tensor], list[torch.optim.Optimizer]]  # what a save will stage: tensors, optimizers
@@ -42,7 +42,8 @@ class StagingMemory:
         self.spec = spec
         self._thread_name = thread_name
         self._preparing: threading.Thread | None = None
-        self._hooks: list[Any] = []  # the step post-hooks of prepare, removed at take or close
+        self._sources: tuple[Sources, Callable[[], object]] | None = None  # what ``prepare`` named
+        self._hooks: list[Any] = []  # the step post-hooks of ``arm`` on the optimizers, removed at take or close
         self._started = False  # the hooks have started the allocation: they do nothing more
 
     def ready(self) -> bool:
@@ -51,11 +52,18 @@ class StagingMemory:
         return (self._preparing is None or not self._preparing.is_alive()) and bool(self.spares or self.buffers)
 
     def prepare(self, sources: Sources, first: Callable[[], object] = lambda: None) -> None:
-        """After each optimizer step until every optimizer of ``sources()`` has stepped once (``sources()`` is None
-        while saves are synchronous), call ``first`` and allocate, on a thread, buffers for the tensors it names and
-        the optimizers' state, unless a save came first."""
-        if self._hooks or self._started or self.buffers:
+        """What a save will stage: ``sources()`` names the tensors and the optimizers (None while saves are
+        synchronous); ``first`` is called before the allocation :meth:`arm` starts. Registers nothing."""
+        self._sources = (sources, first)
+
+    def arm(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Put a step post-hook on each of the fit's ``optimizers`` (once it made them): after every optimizer
+        ``sources()`` names has stepped once (while it names any: saves may turn asynchronous midway), call
+        ``first`` and allocate, on a thread, buffers for the tensors and the optimizers' state, unless a save came
+        first. Nothing before :meth:`prepare`, nor while armed, started or holding buffers already."""
+        if self._sources is None or self._hooks or self._started or self.buffers:
             return
+        sources, first = self._sources
         stepped: set[int] = set()
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -72,7 +80,7 @@ class StagingMemory:
             tensors, optimizers = found
             self._start(self._allocate_spares, [self.spec(t) for t in [*tensors, *state_tensors(optimizers)]])
 
-        self._hooks.append(register_optimizer_step_post_hook(after_step))
+        self._hooks = [optimizer.register_step_post_hook(after_step) for optimizer in optimizers]
 
     def prepare_keys(self, specs: dict[str, Spec]) -> None:
         """Allocate (and touch) on a thread a buffer for each key of ``specs`` that has none yet, for the first save

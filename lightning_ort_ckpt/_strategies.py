@@ -100,8 +100,10 @@ class Attachment(NamedTuple):
     undo: Callable[[], None]
     """The strategy's own save and load back, and the staging memory freed (the plugin's ``teardown``)."""
     close: Callable[[], None]
-    """The staging memory freed and its step hook removed; the strategy still saves and loads through the plugin
+    """The staging memory freed and its step hooks removed; the strategy still saves and loads through the plugin
     (a plugin used alone keeps serving the strategy fit after fit)."""
+    arm: Callable[[list[Any]], None]
+    """The fit's optimizers exist: the staging memory waits for their first steps (``_staging_memory``)."""
 
 
 def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
@@ -144,7 +146,7 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
         unwrap()
         stager.close()
 
-    return Attachment(undo, stager.close)
+    return Attachment(undo, stager.close, stager.arm)
 
 
 def _local_shards(strategy: Any) -> tuple[list[torch.Tensor], list[Any]] | None:

@@ -63,11 +63,13 @@ class TrainStart:
         self._data: TrainData | None = None
         self._remove: Callable[[], None] = lambda: None
 
-    def bind(self, strategy: Any, fast_forward_iterables: bool) -> None:
-        """Watch ``strategy``'s training loaders from now on (no longer those of a strategy bound before)."""
+    def bind(self, strategy: Any, fast_forward_iterables: bool, data_ready: Callable[[Any], None]) -> None:
+        """Watch ``strategy``'s training loaders from now on (no longer those of a strategy bound before);
+        ``data_ready(strategy)`` is called whenever Lightning sets up one of its loaders (its optimizers exist by
+        then)."""
         if self._data is not None:
             self._data.close()
-        self._data = TrainData(strategy, fast_forward_iterables)
+        self._data = TrainData(strategy, fast_forward_iterables, data_ready)
 
     def position(self) -> dict[str, Any]:
         """``{DATA_KEY: position}`` of the fit in progress, or ``{}``."""

@@ -13,6 +13,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.artifacts import make_training_artifacts
 from lightning_ort_ckpt.export import export_onnx
@@ -89,7 +90,7 @@ def test_lightning_ort_lightning_deploy(tmp_path):
     report = export_onnx(DemoModel, resumed.best_model_path, tmp_path / "model.onnx")
     x = np.random.default_rng(3).standard_normal((7, 16)).astype(np.float32)
     session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
-    torch_module = DemoModel.load_from_checkpoint(resumed.best_model_path).eval()
+    torch_module = lightning_ort_ckpt.load_from_checkpoint(DemoModel, resumed.best_model_path).eval()
     with torch.no_grad():
         expected = torch_module(torch.from_numpy(x)).numpy()
     assert np.max(np.abs(session.run(None, {"input": x})[0] - expected)) <= 1e-5

@@ -37,6 +37,7 @@ pl = pytest.importorskip("pytorch_lightning")
 
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.artifacts import ArtifactsError, TrainingArtifacts, make_training_artifacts
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
@@ -218,7 +219,7 @@ def model_for_ort(entry: Entry, checkpoint: str) -> Any:
         return entry.cls
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
-        return entry.cls.load_from_checkpoint(checkpoint).float()
+        return lightning_ort_ckpt.load_from_checkpoint(entry.cls, checkpoint).float()
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +305,8 @@ def test_orts_eval_model_computes_torchs_eval(entry: Entry, epoch_one: dict[str,
         warnings.simplefilter("ignore", CheckpointWarning)
         model = model_for_ort(entry, source)
         art = make_training_artifacts(model, source, tmp_path / "art")
-        torch_model = (model if isinstance(model, torch.nn.Module) else entry.cls.load_from_checkpoint(source)).eval()
+        torch_model = (model if isinstance(model, torch.nn.Module)
+                       else lightning_ort_ckpt.load_from_checkpoint(entry.cls, source)).eval()
     x, y = ort_batches(entry)[0]
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(torch_model(torch.from_numpy(x)), torch.from_numpy(y)).item()
@@ -333,7 +335,7 @@ def test_export_of_the_ort_trained_file_matches_ort(entry: Entry, epoch_one: dic
         source = paths["with_optimizer"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
-        loaded = entry.cls.load_from_checkpoint(source)
+        loaded = lightning_ort_ckpt.load_from_checkpoint(entry.cls, source)
         report = export_onnx(model_for_ort(entry, source), source, tmp_path / "model.onnx", tolerance=entry.tolerance)
     assert report.max_abs_diff <= entry.tolerance
     for key, value in entry.kwargs.items():
@@ -354,7 +356,7 @@ def test_enum_hparam_builds_the_same_model_and_module_hparam_fails_loudly(tmp_pa
     t = trainer(entry, max_steps=1)
     t.fit(model, loader(entry))
     t.save_checkpoint(tmp_path / "cnn.ckpt")
-    loaded = FrozenStemCNN.load_from_checkpoint(tmp_path / "cnn.ckpt")
+    loaded = lightning_ort_ckpt.load_from_checkpoint(FrozenStemCNN, tmp_path / "cnn.ckpt")
     assert loaded.hparams.act is Act.TANH and isinstance(loaded.act, torch.nn.Tanh)
 
     class Local(enum.Enum):  # not importable by name: saved with a warning, and refuses to be used when loaded
@@ -364,8 +366,9 @@ def test_enum_hparam_builds_the_same_model_and_module_hparam_fails_loudly(tmp_pa
     with pytest.warns(CheckpointWarning, match=r"\['hyper_parameters'\]\['act'\].*placeholder that raises"):
         t.save_checkpoint(tmp_path / "local.ckpt")
     with pytest.raises(CheckpointError, match="was not saved and cannot be used: <unsaved .*Local"):
-        FrozenStemCNN.load_from_checkpoint(tmp_path / "local.ckpt")
-    assert isinstance(FrozenStemCNN.load_from_checkpoint(tmp_path / "local.ckpt", act=Act.RELU).act, torch.nn.ReLU)
+        lightning_ort_ckpt.load_from_checkpoint(FrozenStemCNN, tmp_path / "local.ckpt")
+    relu = lightning_ort_ckpt.load_from_checkpoint(FrozenStemCNN, tmp_path / "local.ckpt", act=Act.RELU)
+    assert isinstance(relu.act, torch.nn.ReLU)
     with pytest.raises(CheckpointError, match="was not saved"):
         export_onnx(FrozenStemCNN, tmp_path / "local.ckpt", tmp_path / "m.onnx")
     assert not os.path.exists(tmp_path / "m.onnx")
@@ -427,7 +430,7 @@ def test_a_tied_file_ort_alone_wrote_loads_into_a_module(ort_trained: Any, tmp_p
     paths, _, alone = ort_trained(entry)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
-        loaded = entry.cls.load_from_checkpoint(paths["ort_alone"], strict=False)
+        loaded = lightning_ort_ckpt.load_from_checkpoint(entry.cls, paths["ort_alone"], strict=False)
         instance = entry.build(9)
         export_onnx(instance, paths["ort_alone"], tmp_path / "m.onnx", tolerance=entry.tolerance)
     for module in (loaded, instance):

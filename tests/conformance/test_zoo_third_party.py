@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("onnxruntime.training")
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.artifacts import ArtifactsError, make_training_artifacts
 from lightning_ort_ckpt.errors import CheckpointWarning
@@ -71,7 +72,7 @@ def test_bert_resumes_bitwise_trains_in_ort_and_exports(tmp_path: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
         art = make_training_artifacts(BertClassifier, start, tmp_path / "art")
-        torch_model = BertClassifier.load_from_checkpoint(start).eval()
+        torch_model = lightning_ort_ckpt.load_from_checkpoint(BertClassifier, start).eval()
         report = export_onnx(BertClassifier, start, tmp_path / "bert.onnx", tolerance=1e-4)
     assert report.max_abs_diff <= 1e-4
     x, y = BERT.data(seed=5)
@@ -154,7 +155,7 @@ def test_omegaconf_hyperparameters_come_back_as_dictconfig(tmp_path: Any) -> Non
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointWarning)  # nothing saved as a placeholder
         t.fit(HydraModule(cfg), loader(entry))
-        loaded = HydraModule.load_from_checkpoint(callback.best_model_path)
+        loaded = lightning_ort_ckpt.load_from_checkpoint(HydraModule, callback.best_model_path)
     restored = loaded.hparams.cfg
     assert isinstance(restored, omegaconf.DictConfig)
     assert restored.model.layers[1] == 8 and restored.optim.lr == 0.05

@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import CorruptCheckpointError, OrtCheckpoint, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.export import ExportError, export_onnx
@@ -50,7 +51,7 @@ def ort_run(path: Path, x: np.ndarray) -> np.ndarray:
 
 
 def torch_run(module_class, checkpoint, x: np.ndarray) -> np.ndarray:
-    module = module_class.load_from_checkpoint(checkpoint).eval()
+    module = lightning_ort_ckpt.load_from_checkpoint(module_class, checkpoint).eval()
     with torch.no_grad():
         return module(torch.from_numpy(x)).numpy()
 
@@ -124,7 +125,7 @@ def test_torch_checkpoints_export_and_make_artifacts(trained, tmp_path):
     from lightning_ort_ckpt.artifacts import make_training_artifacts
 
     root, Demo, callback = trained
-    module = Demo.load_from_checkpoint(callback.best_model_path)
+    module = lightning_ort_ckpt.load_from_checkpoint(Demo, callback.best_model_path)
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=tmp_path)
     trainer.strategy.connect(module)

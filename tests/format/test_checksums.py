@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint, save_checkpoint)
@@ -187,7 +188,7 @@ def test_every_loading_entry_point_names_the_damaged_tensor(trained, tmp_path):
     with pytest.raises(CorruptCheckpointError, match=pattern):
         fit(OrtCheckpoint(dirpath=tmp_path / "resumed"), 3, ckpt_path=str(bad))
     with pytest.raises(CorruptCheckpointError, match=pattern):
-        Net.load_from_checkpoint(bad)
+        lightning_ort_ckpt.load_from_checkpoint(Net, bad)
     out = run_cli("verify", bad)
     assert out.returncode == 1 and "'layer.weight'" in out.stderr and str(bad) in out.stderr
     assert "Traceback" not in out.stderr

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt import _rng as rng
 from lightning_ort_ckpt.errors import CheckpointWarning
@@ -315,7 +316,7 @@ def placeholder(tmp_path_factory) -> Any:
     d = tmp_path_factory.mktemp("unsaved")
     with pytest.warns(CheckpointWarning, match=r"\['hyper_parameters'\]\['activation'\] holds a builtins.function"):
         fit(OrtCheckpoint(dirpath=d), 1, net_class=lambda vals, sleep: CallsItsActivation(halve))
-    return CallsItsActivation.load_from_checkpoint(d / name(0, 4))
+    return lightning_ort_ckpt.load_from_checkpoint(CallsItsActivation, d / name(0, 4))
 
 
 def test_a_model_calling_an_unsaved_hyperparameter_gets_our_error(placeholder):

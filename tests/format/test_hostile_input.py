@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
@@ -132,7 +133,7 @@ def test_hostile_lightning_metadata(tmp_path, good, case):
     path = with_manifest(good, tmp_path / "hostile.ckpt", HOSTILE[case])
     assert_named_error(tmp_path, path)
     with pytest.raises(CheckpointError, match="hostile.ckpt"):
-        Net.load_from_checkpoint(path)
+        lightning_ort_ckpt.load_from_checkpoint(Net, path)
     out = run_cli("verify", path)
     assert out.returncode == 1 and "Traceback" not in out.stderr and "hostile.ckpt" in out.stderr, out.stderr
     out = run_cli("inspect", "--json", path)

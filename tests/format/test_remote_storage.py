@@ -29,6 +29,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import (BindCheckpointIO, CheckpointSaveError, CorruptCheckpointError, OrtCheckpoint,
                                 OrtCheckpointIO)
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint
@@ -200,7 +201,7 @@ def test_explicit_url_load_from_checkpoint_and_missing_objects(s3: Store) -> Non
     model = ENTRY.build(0)
     fit(model, [OrtCheckpoint(dirpath=s3.root, filename="end", storage_options=s3.options)], max_epochs=1)
     url = s3.url("end.ckpt")
-    loaded = type(model).load_from_checkpoint(url)  # Lightning's loader, through the environment's S3 settings
+    loaded = lightning_ort_ckpt.load_from_checkpoint(type(model), url)  # through the environment's S3 settings
     assert_same_state(state(loaded), state(model))
 
     resumed = ENTRY.build(3)

@@ -157,9 +157,16 @@ def fit(out, kind, name, max_steps, devices=2, ckpt_path=None, every=4, top_k=-1
     wrapped = sorted(k for k in ("save_checkpoint", "load_checkpoint") if k in vars(trainer.strategy))
     with open(os.path.join(out, f"{kind}-{name}.wrapped{trainer.global_rank}.json"), "w") as f:
         json.dump(wrapped, f)  # our methods are gone from the strategy once fit is over
+    from lightning_fabric.utilities.cloud_io import _load
+    from pytorch_lightning.core import saving
+    from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+    own = sum(len(o._optimizer_step_pre_hooks) + len(o._optimizer_step_post_hooks) for o in trainer.optimizers)
+    lightnings = {"pl_load": saving.pl_load is _load,  # (the callback still exists here)
+                  "_parse_ckpt_path": not hasattr(_CheckpointConnector._parse_ckpt_path, "__wrapped__")}
     with open(os.path.join(out, f"{kind}-{name}.hooks{trainer.global_rank}.json"), "w") as f:
-        json.dump([len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks)], f)  # after every fit
+        json.dump([len(_global_optimizer_pre_hooks), len(_global_optimizer_post_hooks), own,
+                   sorted(k for k, v in lightnings.items() if not v)], f)  # after every fit
 
 
 def memory_of_full_saves(out):

@@ -298,6 +298,7 @@ def test_shard_staging_is_allocated_ahead_reused_and_a_copy() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     stager = ShardStager()
     stager.prepare(lambda: (list(model.parameters()), [opt]))
+    stager.arm([opt])
     try:
         model(torch.randn(2, 8)).sum().backward()
         opt.step()  # Adam's state exists now: the memory is allocated (and touched) on a thread of its own

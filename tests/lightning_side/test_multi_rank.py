@@ -375,8 +375,8 @@ def test_stores_delete_the_metadata_file_of_a_folder_first() -> None:
 
 def test_lightnings_last_resolution_takes_a_committed_folder_on_memory(tmp_path: Path) -> None:
     """F1 on ``memory://`` (one process: a memory file system is per process): Lightning's own rule asks the file
-    system for each candidate's modification time, which a folder there does not have; while an OrtCheckpoint
-    exists, Lightning's resolution of "last" is the callback's, and takes the committed folder, not the half one."""
+    system for each candidate's modification time, which a folder there does not have: the callback answers with a
+    local file dated as the committed folder (not the half one), and the Trainer's load of it loads the folder."""
     from pytorch_lightning.trainer.states import TrainerFn
 
     dirpath = _dirpath(tmp_path, "memory")
@@ -385,8 +385,14 @@ def test_lightnings_last_resolution_takes_a_committed_folder_on_memory(tmp_path:
     fs, root = fsspec.core.url_to_fs(folder)
     with pytest.raises(OSError):
         fs.modified(root)  # what Lightning's rule would ask
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[OrtCheckpoint(dirpath)])
+    callback = OrtCheckpoint(dirpath)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
     with pytest.warns(CheckpointWarning, match=r"epoch=0-step=6\.ckpt: checkpoint folder\(s\) without"):
         found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
                                                                model_connected=True)
-    assert found == folder
+    assert os.path.isfile(found) and os.path.basename(found) == "epoch=0-step=4.ckpt"  # a local stand-in
+    loads: list[str] = []
+    wrap = callback._stand_in.loading(trainer, None)
+    assert not os.path.exists(found) and wrap is not None  # deleted once Lightning dated it
+    assert wrap(lambda path: loads.append(path))(found) is None and loads == [folder]
+    assert trainer.ckpt_path == folder

@@ -141,11 +141,12 @@ def test_strategy_methods_are_lightnings_after_fit(runs: Path, mode: str) -> Non
 def test_no_global_optimizer_hook_outlives_a_fit(runs: Path, mode: str) -> None:
     """torch's global optimizer step hooks, counted in each process after each fit (several fits run in one
     process, sync and async): none of ours is left, not even one from the plugin's first binding (when Lightning
-    gave it the strategy) that the callback's binding replaced."""
+    gave it the strategy) that the callback's binding replaced; nor a hook on the fit's own optimizers, nor a wrap
+    of Lightning's loader or "last" resolution, though the callback still exists (issue 40)."""
     counted = sorted(runs.glob(f"{mode}-*.hooks*.json"))
     assert {p.name.split(".")[0] for p in counted} >= {f"{mode}-full", f"{mode}-half", f"{mode}-resumed"}
     for path in counted:
-        assert json.loads(path.read_text()) == [0, 0], path.name
+        assert json.loads(path.read_text()) == [0, 0, 0, []], path.name
 
 
 def test_deepspeed_is_refused_before_training(tmp_path: Path) -> None:

@@ -169,6 +169,7 @@ def test_shard_staging_is_allocated_ahead_only_while_saves_are_asynchronous() ->
     asynchronous = False
     stager = _dcp_staging.ShardStager()
     stager.prepare(lambda: ([*model.parameters(), *model.buffers()], [opt]) if asynchronous else None)
+    stager.arm([opt])  # the fit's optimizers exist (the plugin arms it when Lightning sets up the training data)
 
     def step() -> None:
         model(torch.randn(4, 8)).sum().backward()
@@ -241,31 +242,35 @@ def test_dcp_async_save_copies_into_memory_our_writer_allocated_ahead(tmp_path: 
 
 @pytest.mark.parametrize("layout", ["module", "shards"])
 def test_the_step_hook_that_starts_the_allocation_never_removes_itself(layout: str) -> None:
-    """torch iterates over its post-hooks while it calls them: the hook that starts the allocation must not remove
-    itself from under that loop (a hook registered after it would make the step raise). It does nothing once it
-    has started; the first save removes it, and a hook registered after it ran at every step."""
-    from torch.optim.optimizer import _global_optimizer_post_hooks, register_optimizer_step_post_hook
+    """torch iterates over an optimizer's post-hooks while it calls them: the hook that starts the allocation must
+    not remove itself from under that loop (a hook registered after it would make the step raise). It sits on the
+    fit's optimizer, never in torch's global registry; it does nothing once it has started; the first save removes
+    it, and a hook registered after it ran at every step."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks
 
     model = nn.Linear(8, 4)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     stager = _staging.Stager() if layout == "module" else _dcp_staging.ShardStager()
-    before = set(_global_optimizer_post_hooks)
+    before = dict(_global_optimizer_post_hooks)
     stager.prepare(lambda: (list(model.parameters()), [opt]))
+    assert not opt._optimizer_step_post_hooks  # prepared: nothing registered yet
+    stager.arm([opt])
     later: list[int] = []
-    other = register_optimizer_step_post_hook(lambda *_: later.append(1))
+    other = opt.register_step_post_hook(lambda *_: later.append(1))
     try:
         for _ in range(2):
             model(torch.randn(2, 8)).sum().backward()
             opt.step()  # the first step starts the allocation; the second finds the hook idle
         stager._memory.join()
         assert later == [1, 1] and stager.ready()
-        assert len(set(_global_optimizer_post_hooks) - before) == 2  # ours (idle) and the later one
+        assert len(opt._optimizer_step_post_hooks) == 2  # ours (idle) and the later one
+        assert dict(_global_optimizer_post_hooks) == before
         if layout == "module":
             stager.stage(_contents(w=model.weight.detach()), "x", [], [], lambda: None)[1]()
         else:
             stager.stage({"w": model.weight.detach()})
-        assert set(_global_optimizer_post_hooks) - before == {other.id}  # the save removed ours
+        assert list(opt._optimizer_step_post_hooks) == [other.id]  # the save removed ours
     finally:
         other.remove()
         stager.close()
-    assert set(_global_optimizer_post_hooks) == before
+    assert not opt._optimizer_step_post_hooks and dict(_global_optimizer_post_hooks) == before

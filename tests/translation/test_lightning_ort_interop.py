@@ -32,6 +32,7 @@ import torch
 pytest.importorskip("onnxruntime.training")
 pl = pytest.importorskip("pytorch_lightning")
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO, open_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt._translation import MANIFEST
@@ -418,5 +419,5 @@ def test_ort_resave_without_optimizer_state_still_resumes(lightning_run, tmp_pat
         assert torch.equal(snapshot.params.get(name, snapshot.buffers.get(name)), value), name
     assert snapshot.state == {} and snapshot.global_step == K_LIGHTNING_STEPS
     assert snapshot.param_groups[0]["lr"] == lightning_run.optimizer.param_groups[0]["lr"]
-    loaded = LitNet.load_from_checkpoint(out)
+    loaded = lightning_ort_ckpt.load_from_checkpoint(LitNet, out)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in lightning_run.state_dict.items())

@@ -32,6 +32,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_ort_ckpt
 from lightning_ort_ckpt import (BindCheckpointIO, CheckpointError, CorruptCheckpointError, DataType, load_checkpoint,
                                 open_checkpoint)
 from lightning_ort_ckpt.errors import CheckpointWarning
@@ -450,7 +451,7 @@ def test_typed_metadata_round_trip(tmp_path: Any) -> None:
     trainer(tmp_path, max_steps=4, callbacks=[fresh], num_sanity_val_steps=0).fit(resumed, **loaders(), ckpt_path=path)
     assert_same_value(fresh.received, callback.saved, "callback state")
 
-    loaded = HParamNet.load_from_checkpoint(path)
+    loaded = lightning_ort_ckpt.load_from_checkpoint(HParamNet, path)
     assert_same_value(dict(loaded.hparams), dict(model.hparams), "hparams")
     assert_same_value(dict(loaded.hparams), HPARAMS, "hparams")
     assert_same_value(loaded.state_dict(), model.state_dict(), "weights")
@@ -497,7 +498,7 @@ def test_module_hparam_warns_and_loads_as_placeholder(tmp_path: Any) -> None:
         first.save_checkpoint(path)
     head = read_lightning_checkpoint(path)["hyper_parameters"]["head"]
     assert isinstance(head, Unsaved) and "Linear(in_features=3, out_features=2" in repr(head), head
-    loaded = ModuleHParamNet.load_from_checkpoint(path)
+    loaded = lightning_ort_ckpt.load_from_checkpoint(ModuleHParamNet, path)
     assert repr(loaded.hparams.head) == repr(head) and loaded.hparams.width == 8
     with pytest.raises(CheckpointError, match="was not saved and cannot be used"):
         loaded.hparams.head.weight  # a model that uses the value fails loudly, never with a stand-in
