@@ -118,9 +118,7 @@ class OrtCheckpointMixin(_Base):
                          save_on_train_epoch_end=save_on_train_epoch_end, enable_version_counter=enable_version_counter,
                          **dict(list(triggers.items())[:1]))  # it takes one trigger: the others are set below
         if len(triggers) > 1:  # (each is checked on its own in ModelCheckpoint's hooks)
-            self._every_n_train_steps = every_n_train_steps or 0
-            self._every_n_epochs = every_n_epochs or 0
-            self._train_time_interval = train_time_interval
+            _lightning_adapter.set_triggers(self, every_n_train_steps, every_n_epochs, train_time_interval)
         self.keep_newest, self.resume_fallback = keep_newest, resume_fallback
         self._own_io = checkpoint_io is not None or bool(settings)  # chosen here: the Trainer's may not replace it
         self.checkpoint_io: OrtCheckpointIOMixin = checkpoint_io or _own_plugin(self.plugin_class, settings)
@@ -141,14 +139,9 @@ class OrtCheckpointMixin(_Base):
         if self.export_best_to is not None and self._exporter not in trainer.callbacks:
             self._exporter = _EXPORTER[0](trainer, self.export_best_to, self.export_tolerance, self)
             trainer.callbacks.append(self._exporter)  # after this one: it exports once the files are durable
-        linking = self.save_last == "link" and not self._store().local
-        if linking:  # ModelCheckpoint refuses links on a store; ours become copies (_link_checkpoint)
-            self.save_last = True
-        try:
+        linking = self.save_last == "link" and not self._store().local  # ModelCheckpoint refuses links on a store;
+        with _for_now(self, "save_last", True, "link") if linking else contextlib.nullcontext():  # ours are copies
             super().setup(trainer, pl_module, stage)
-        finally:
-            if linking:
-                self.save_last = "link"
         self.checkpoint_io = _install_plugin(self, trainer)
         self.checkpoint_io.bind(trainer.strategy)
         if self.checkpoint_io.storage_options is not None and not self._store().local:

@@ -90,9 +90,9 @@ MODEL_CHECKPOINT_PRIVATE = (
 
 MODEL_CHECKPOINT_ATTRIBUTES = ("_every_n_train_steps", "_every_n_epochs", "_train_time_interval",
                                "_last_global_step_saved")
-"""The private attributes of a ``ModelCheckpoint`` that ``OrtCheckpoint`` sets (the triggers, to combine them) or
-reads (the step it saved last). Its ``_fs`` is replaced here, to pass ``storage_options``
-(:func:`set_checkpoint_filesystem`)."""
+"""The private attributes of a ``ModelCheckpoint`` set here for ``OrtCheckpoint`` (the triggers, to combine them:
+:func:`set_triggers`) or that it reads (the step it saved last). Its ``_fs`` is replaced here, to pass
+``storage_options`` (:func:`set_checkpoint_filesystem`)."""
 
 _MARK = "reads_ort_checkpoints"
 _SERVED: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar("ort_ckpt_served", default=None)
@@ -119,6 +119,15 @@ def hparams_name(module: Any) -> Any:
 def resolve_ckpt_dir(callback: Any, trainer: Any) -> Any:
     """The directory ``ModelCheckpoint`` saves into for this trainer (its ``dirpath``, or the logger's)."""
     return callback._ModelCheckpoint__resolve_ckpt_dir(trainer)
+
+
+def set_triggers(callback: Any, every_n_train_steps: int | None, every_n_epochs: int | None,
+                 train_time_interval: Any) -> None:
+    """Give a ``ModelCheckpoint`` several triggers at once (its ``__init__`` takes one): each is checked on its own in
+    its hooks."""
+    callback._every_n_train_steps = every_n_train_steps or 0
+    callback._every_n_epochs = every_n_epochs or 0
+    callback._train_time_interval = train_time_interval
 
 
 def set_checkpoint_filesystem(callback: Any, dirpath: str, storage_options: dict[str, Any]) -> None:
