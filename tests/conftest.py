@@ -4,6 +4,7 @@ docs/testing.md)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,13 +118,24 @@ FILE_MARKERS: dict[str, tuple[str, ...]] = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test gets its file's markers; under pytest-xdist (``--dist loadgroup``) a file's tests stay on one
-    worker (its module fixtures run once), and every rank launcher runs on the same worker, one at a time (each
-    already fills both cores)."""
+    """Each test gets its file's markers."""
     for item in items:
-        markers = FILE_MARKERS.get(item.path.name, ("trainer",))
-        for name in markers:
+        for name in FILE_MARKERS.get(item.path.name, ("trainer",)):
             item.add_marker(name)
         if item.get_closest_marker("smoke") is not None:
             item.add_marker("fast")
-        item.add_marker(pytest.mark.xdist_group("launchers" if "multiprocess" in markers else item.path.name))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (``-n``), a file's tests run on one worker (its module fixtures run once), and every rank
+    launcher's file on the same one, one launch at a time (each already fills both cores). pytest-xdist's own
+    ``--dist loadgroup`` would read ``xdist_group`` marks, but with pytest 9 its renaming of the tests has no effect
+    and the groups are silently ignored: the work units are named here from the test ids alone."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "launchers" if "multiprocess" in FILE_MARKERS.get(Path(path).name, ()) else path
+
+    return ByFile(config, log)
