@@ -126,6 +126,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("fast")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a venv without it (scripts/deploy.sh) runs the tests alone
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist (``-n``), a file's tests run on one worker (its module fixtures run once), and every rank
     launcher's file on the same one, one launch at a time (each already fills both cores). pytest-xdist's own
