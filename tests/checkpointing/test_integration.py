@@ -74,6 +74,8 @@ def loader():
 def python(code: str, cwd: Path, timeout: int = 300) -> str:
     """Run ``code`` in a fresh interpreter with this checkout first on the path; its stdout (fails on an error)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(cwd), os.environ.get("PYTHONPATH", "")])}
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK"):
+        env.pop(name, None)  # the launchers decide these (a test in this process may have left a port in use)
     (cwd / "script.py").write_text(textwrap.dedent(code))
     result = subprocess.run([sys.executable, "script.py"], capture_output=True, text=True, cwd=cwd, env=env,
                             timeout=timeout)

@@ -149,8 +149,9 @@ def test_no_global_optimizer_hook_outlives_a_fit(runs: Path, mode: str) -> None:
         assert json.loads(path.read_text()) == [0, 0, 0, []], path.name
 
 
-def test_deepspeed_is_refused_before_training(tmp_path: Path) -> None:
+def test_deepspeed_is_refused_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pytorch_lightning as pl
+    import torch.distributed as dist
     from pytorch_lightning.demos.boring_classes import BoringModel
     from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
@@ -172,10 +173,17 @@ def test_deepspeed_is_refused_before_training(tmp_path: Path) -> None:
             Counting.steps += 1
             return super().training_step(batch, batch_idx)
 
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # Lightning sets them in this process: put back after the test
+        monkeypatch.delenv(name, raising=False)
+    own = not dist.is_initialized()
     trainer = pl.Trainer(strategy=CPUDeepSpeed(), accelerator="cpu", devices=1, logger=False, max_steps=2,
                          callbacks=[OrtCheckpoint(tmp_path)], enable_progress_bar=False)
-    with pytest.raises(CheckpointConfigError, match="ModelParallelStrategy.*FSDPStrategy") as e:
-        trainer.fit(Counting())
+    try:
+        with pytest.raises(CheckpointConfigError, match="ModelParallelStrategy.*FSDPStrategy") as e:
+            trainer.fit(Counting())
+    finally:
+        if own and dist.is_initialized():  # its group of one (and the port it listens on) ends with the test
+            dist.destroy_process_group()
     assert "CPUDeepSpeed" in str(e.value) and "DeepSpeed" in str(e.value)
     assert Counting.steps == 0 and not list(tmp_path.iterdir())
 
