@@ -109,21 +109,7 @@ def run_child(root: Path, every: int, async_save: bool, waits: dict[int, str], s
     script.write_text(textwrap.dedent(_CHILD))
     args = [str(root), str(every), str(int(async_save)), str(int(slurm)), ",".join(f"{k}:{v}" for k, v in waits.items())]
     proc = forkserver.spawn(script=str(script), args=args, cwd=str(root), merge_stderr=True)
-    try:
-        lines: list[str] = []
-        pending = list(signals)
-        for line in proc.stdout:
-            lines.append(line)
-            if pending and line.startswith(pending[0][0]):
-                proc.send_signal(pending.pop(0)[1])
-                if not pending:
-                    break
-        out = "".join(lines) + proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return out
+    return forkserver.signalled(proc, signals)
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -270,18 +256,7 @@ def test_a_requeue_signal_inside_a_save_saves_once_that_save_returns(tmp_path: P
         log = scontrol(tmp_path, m)
         m.setenv("SLOW_ROOT", str(tmp_path))
         proc = forkserver.spawn(script=str(script), args=[str(tmp_path)], cwd=str(tmp_path), merge_stderr=True)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("writing epoch=0-step=4.ckpt"):
-                proc.send_signal(signal.SIGUSR1)
-                break
-        out = "".join(lines) + proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    out = forkserver.signalled(proc, [("writing epoch=0-step=4.ckpt", signal.SIGUSR1)])
     assert proc.returncode == 0 and "finished" in out and log.exists(), out
     step_file, hpc = tmp_path / "epoch=0-step=4.ckpt", tmp_path / "hpc_ckpt_1.ckpt"
     load_checkpoint(step_file)

@@ -133,18 +133,7 @@ def run_child(tmp_path: Path, when: str, width: int, async_save: bool) -> tuple[
     script.write_text(textwrap.dedent(_CHILD))
     proc = forkserver.spawn(script=str(script), args=[str(tmp_path / "ckpts"), str(width), str(int(async_save)), when],
                             cwd=str(tmp_path), merge_stderr=True)  # torch and Lightning imported once
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith(when):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out = "".join(lines) + proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    out = forkserver.signalled(proc, [(when, signal.SIGTERM)])
     interrupted = [line.split() for line in out.splitlines() if line.startswith("interrupted ")]
     assert interrupted, f"the child did not handle SIGTERM:\n{out}"
     return proc.returncode, out, int(interrupted[0][1])

@@ -205,3 +205,23 @@ def spawn(*, script: str | None = None, code: str | None = None, args: list[str]
     request = {"script": script, "code": code, "args": [str(a) for a in args], "cwd": cwd or os.getcwd(),
                "env": dict(os.environ)}
     return Child(request, merge_stderr)
+
+
+def signalled(proc: Child, signals: list[tuple[str, int]], timeout: float = 120) -> str:
+    """Send each signal of ``signals`` to ``proc`` at the first line of its output (stdout with stderr merged) that
+    starts with the signal's text, in order; then its whole output once it has ended (killed if anything fails)."""
+    try:
+        lines: list[str] = []
+        pending = list(signals)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if pending and line.startswith(pending[0][0]):
+                proc.send_signal(pending.pop(0)[1])
+                if not pending:
+                    break
+        return "".join(lines) + proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
