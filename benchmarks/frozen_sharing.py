@@ -60,7 +60,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt import _sharing
+from lightning_ort_ckpt._sharing import _policy as _sharing
 from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint,
                                        save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_ort_ckpt import _cli
-from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt._sharing import _policy as sharing
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from lightning_ort_ckpt.format import CheckpointContents, CheckpointReader, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint
-from lightning_ort_ckpt import _frozen_copies as frozen_copies
-from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt._sharing import _copies as frozen_copies
+from lightning_ort_ckpt._sharing import _policy as sharing
 from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared

@@ -25,7 +25,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import OrtCheckpointIO
-from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt._sharing import _policy as sharing
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import save_checkpoint

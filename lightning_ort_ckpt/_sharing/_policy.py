@@ -53,16 +53,16 @@ from typing import Any
 
 import torch
 
-from . import _frozen_copies
-from ._frozen_copies import Copy
-from ._torch_compat import version_counter
-from .errors import CheckpointSaveError
-from .format import CheckpointContents, data_path, save_checkpoint
-from .format._checksums import param_key
-from .format._shared_data import (NotShared, SavedData, SharedFrozen, SharedTooLarge, drop_name, looked_at,
+from . import _copies as _frozen_copies
+from ._copies import Copy
+from .._torch_compat import version_counter
+from ..errors import CheckpointSaveError
+from ..format import CheckpointContents, data_path, save_checkpoint
+from ..format._checksums import param_key
+from ..format._shared_data import (NotShared, SavedData, SharedFrozen, SharedTooLarge, drop_name, looked_at,
                                   write_copy)
-from .format._store import Store, store_for
-from .format._writer import ExternalData
+from ..format._store import Store, store_for
+from ..format._writer import ExternalData
 
 MIN_BYTES = 64 << 10
 """A frozen tensor smaller than this stays inline (rewritten by every save)."""

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointWarning
-from .format._shared_data import (Identity, drop_name, identity, is_reserve, keep_reserve, looked_at, repair,
+from ..errors import CheckpointWarning
+from ..format._shared_data import (Identity, drop_name, identity, is_reserve, keep_reserve, looked_at, repair,
                                   reserves, sharing_checkpoints, verify_data)
 
 
