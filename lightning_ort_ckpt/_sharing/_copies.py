@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-
+from ._snapshot import Seen
 from ..errors import CheckpointWarning
 from ..format._shared_data import (Identity, drop_name, identity, is_reserve, keep_reserve, looked_at, repair,
                                   reserves, sharing_checkpoints, verify_data)
@@ -33,7 +30,7 @@ class Copy:
     offsets: dict[str, int]
     digests: dict[str, int]
     layout: dict[str, tuple[int, tuple[int, ...], int]]
-    seen: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]]
+    seen: dict[str, Seen]
     size: int
     used: int  # the directory's save count when it was last written or linked (the least recently used is next)
     verified: int  # the save count when its bytes on disk were last read back and matched their checksums
@@ -171,9 +168,9 @@ def _trust(copy: Copy, now: Key, count: int) -> None:
 
 def checked(copy: Copy, count: int, path: str, verify_every: int) -> str | None:
     """A name of ``copy`` whose bytes are known good, read back and verified when its identity changed or
-    ``verify_every`` saves passed; None (with a warning, the checkpoints linking it repaired) when they are not. A read-back started in the
-    background counts from the save that started it, if the name it read did not change since; it is waited for
-    where it is due."""
+    ``verify_every`` saves passed; None (with a warning, the checkpoints linking it repaired) when they are not. A
+    read-back started in the background counts from the save that started it, if the name it read did not change
+    since; it is waited for where it is due."""
     source = newest(copy)
     if copy.checking is not None:
         since, name, job = copy.checking

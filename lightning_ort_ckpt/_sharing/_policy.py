@@ -38,7 +38,7 @@ saves link that one copy while the second is written; the save after them waits 
 
 Only tensors of the live module at least :data:`MIN_BYTES` large take part, and only when they add up to
 :data:`MIN_TOTAL_BYTES`: below that a second file costs more than it saves. Sharing applies to local directories; a
-remote (``scheme://``) path is written whole.
+remote (``scheme://``) path is written whole. These numbers are ``_limits``', read at each use.
 """
 
 from __future__ import annotations
@@ -48,77 +48,21 @@ import stat
 import weakref
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from . import _copies as _frozen_copies
+from . import _limits
 from ._copies import Copy
-from .._torch_compat import version_counter
-from ..errors import CheckpointSaveError
+from ._snapshot import Seen, Snapshot, copy_unchanged, nbytes, state, tensor
 from ..format import CheckpointContents, data_path, save_checkpoint
 from ..format._checksums import param_key
 from ..format._shared_data import (NotShared, SavedData, SharedFrozen, SharedTooLarge, drop_name, looked_at,
                                   write_copy)
 from ..format._store import Store, store_for
 from ..format._writer import ExternalData
-
-MIN_BYTES = 64 << 10
-"""A frozen tensor smaller than this stays inline (rewritten by every save)."""
-MIN_TOTAL_BYTES = 1 << 20
-"""Below this many bytes of frozen tensors, nothing is shared."""
-COPIES = 2
-"""Independent ``.data`` files (inodes) holding the frozen tensors among a directory's saves: while fewer can be
-linked, one more is written (in the background after the first), else a save links the one linked least recently
-(see :class:`FrozenSharing`)."""
-LINKS_PER_COPY = 32
-"""Saves that may link one ``.data`` file (what one damaged file can take); its successor is written in the
-background from two links before."""
-VERIFY_EVERY = 16
-"""Saves of a directory between two full read-backs of a ``.data`` file before it is linked again (each started in
-the background 3/4 of the way, and waited for only where it is not done when due)."""
-ONE_COPY_SAVES = 3
-"""After a save that writes the frozen part fresh with no second copy to link (the first of a directory, the first
-after the frozen tensors changed), the saves that may link that one copy while the second is written in the
-background (the window with one copy); the next save that would link it waits for the second instead."""
-_REMEMBERED = 2 * COPIES  # copies remembered per directory (the newest): older ones are never linked again
-
-
-def _state(t: torch.Tensor) -> tuple[Any, ...]:
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, version_counter(t)
-
-
-@dataclass
-class Snapshot:
-    """The frozen tensors of one save call that may be shared, as they were at the call (training thread)."""
-
-    directory: str
-    live: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]]
-    params: set[str]  # the ones that are parameters (frozen ones): no forward pass changes them
-    unchanged: set[str] = field(default_factory=set)  # also unchanged since the previous save call
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the live tensors of the call, held until its
-    # save is written: a module that replaces one meanwhile (async) must not make it look like another tensor
-
-    @property
-    def keep(self) -> set[str]:
-        """Frozen parameters an asynchronous save need not copy: unchanged since the previous call, which most likely
-        shares them. Buffers are always copied: a forward pass may change them without a version bump."""
-        return self.unchanged & self.params
-
-    def still_live(self, name: str) -> bool:
-        """Whether the live tensor ``name`` is still what it was at the save call."""
-        ref, state = self.live[name]
-        now = ref()
-        return now is not None and _state(now) == state
-
-    def still(self, name: str, then: tuple[weakref.ref[torch.Tensor], tuple[Any, ...]] | None) -> bool:
-        """Whether ``name`` is the tensor it was in the snapshot ``then`` (same object, memory and version)."""
-        now, held = self.live.get(name), self.tensors.get(name)
-        if held is None and now is not None:
-            held = now[0]()
-        return then is not None and now is not None and then[0]() is held is not None and then[1] == now[1]
-
 
 class FrozenSharing:
     """The sharing state of one plugin: the last save call's snapshot and, per directory, the independent copies of
@@ -170,14 +114,14 @@ class FrozenSharing:
         """On the training thread, at the save call: the frozen tensors of ``ck`` that are the module's own and
         large enough, or None when there is too little to share (the plugin asks only where the store can link)."""
         live_tensors = module.state_dict(keep_vars=True)
-        live: dict[str, tuple[weakref.ref[torch.Tensor], tuple[Any, ...]]] = {}
+        live: dict[str, Seen] = {}
         for name, t in ck.frozen.items():
             mine = live_tensors.get(name)
             if (isinstance(t, torch.Tensor) and isinstance(mine, torch.Tensor) and mine.data_ptr() == t.data_ptr()
                     and mine.dtype == t.dtype and mine.shape == t.shape and t.layout == torch.strided
-                    and t.numel() * t.element_size() >= MIN_BYTES and name not in self._volatile):
-                live[name] = (weakref.ref(mine), _state(mine))
-        if _nbytes(ck, live) < MIN_TOTAL_BYTES:
+                    and t.numel() * t.element_size() >= _limits.MIN_BYTES and name not in self._volatile):
+                live[name] = (weakref.ref(mine), state(mine))
+        if nbytes(ck, live) < _limits.MIN_TOTAL_BYTES:
             return None
         directory = os.path.dirname(os.path.abspath(path))
         snap = Snapshot(directory, live, {n for n in live if isinstance(live_tensors[n], torch.nn.Parameter)},
@@ -214,7 +158,7 @@ class FrozenSharing:
         while True:
             linked = spec.names.keys() if spec is not None and spec.link_from is not None else set()
             for name in set(kept) - linked - copied:  # written after all: from a copy, as the rest of the save
-                ck.frozen[name] = _copy_unchanged(_torch(ck, name), snap, name, path)
+                ck.frozen[name] = copy_unchanged(tensor(ck, name), snap, name, path)
                 copied.add(name)
             try:
                 saved = save_checkpoint(ck, path, store=store, external_data=external_data,
@@ -254,18 +198,19 @@ class FrozenSharing:
             for c in copies:
                 same = {n: c.offsets[n] for n in snap.live if n in c.offsets and n not in self._volatile
                         and snap.still(n, c.seen.get(n))}
-                shared_bytes = _nbytes(ck, same)
-                if shared_bytes * 2 >= c.size and shared_bytes >= MIN_TOTAL_BYTES and c.links < LINKS_PER_COPY:
+                shared_bytes = nbytes(ck, same)
+                if (shared_bytes * 2 >= c.size and shared_bytes >= _limits.MIN_TOTAL_BYTES
+                        and c.links < _limits.LINKS_PER_COPY):
                     linkable.append((c, same))
             spare = self._spares.get(snap.directory)
-            if len(linkable) < COPIES and spare is not None and count >= spare.due:
+            if len(linkable) < _limits.COPIES and spare is not None and count >= spare.due:
                 del self._spares[snap.directory]
                 _frozen_copies.resolve(spare, copies, path)
                 continue
-            if not linkable or (len(linkable) < COPIES and spare is None):
+            if not linkable or (len(linkable) < _limits.COPIES and spare is None):
                 break
             chosen, same = min(linkable, key=lambda item: item[0].used)
-            source = _frozen_copies.checked(chosen, count, path, VERIFY_EVERY)
+            source = _frozen_copies.checked(chosen, count, path, _limits.VERIFY_EVERY)
             if source is None:
                 copies.remove(chosen)
                 _frozen_copies.drop_reserves(chosen)  # damaged: its reserve holds the same bad bytes
@@ -275,7 +220,7 @@ class FrozenSharing:
             return chosen, SharedFrozen(same, source, chosen.names[source][0],
                                         {k: chosen.digests[k] for k in keys if k in chosen.digests}, trusted)
         names = set(snap.live) - self._volatile  # a fresh .data
-        if _nbytes(ck, names) < MIN_TOTAL_BYTES:
+        if nbytes(ck, names) < _limits.MIN_TOTAL_BYTES:
             return None, None
         return None, SharedFrozen.fresh(names)
 
@@ -297,10 +242,10 @@ class FrozenSharing:
             copies.append(Copy({data: key}, saved.offsets, saved.digests, saved.layout,
                                 {n: snap.live[n] for n in saved.offsets if n in snap.live}, saved.identity[2],
                                 used=count, verified=count))
-        copies = _frozen_copies.keep_two([c for c in copies if c.names], COPIES)
-        for c in copies[:-_REMEMBERED]:
+        copies = _frozen_copies.keep_two([c for c in copies if c.names], _limits.COPIES)
+        for c in copies[:-_limits.REMEMBERED]:
             _frozen_copies.drop_reserves(c)
-        return copies[-_REMEMBERED:]
+        return copies[-_limits.REMEMBERED:]
 
     def _plan(self, directory: str, count: int, store: Store) -> None:
         """After a save to ``directory``: start in the background what later saves will need, so that they do not
@@ -308,22 +253,22 @@ class FrozenSharing:
         is taken by the save that links it next, waited for only where it is due and not done), and an independent
         copy of the newest one while fewer than :data:`COPIES` can be linked (after the first save of a directory) or
         one is within two links of :data:`LINKS_PER_COPY` (its renewal)."""
-        copies = [c for c in self._copies.get(directory, []) if c.offsets and c.links < LINKS_PER_COPY]
+        copies = [c for c in self._copies.get(directory, []) if c.offsets and c.links < _limits.LINKS_PER_COPY]
         for c in copies:
-            if c.checking is None and c.temp is None and count - c.verified >= VERIFY_EVERY * 3 // 4:
+            if c.checking is None and c.temp is None and count - c.verified >= _limits.VERIFY_EVERY * 3 // 4:
                 names = _frozen_copies.by_age(c)
                 c.checking = (count, names[0],
                               self._background(_frozen_copies.read_back, names, c.offsets, c.layout, c.digests))
-        if not copies or directory in self._spares or directory in self._unlinkable or COPIES < 2:
+        if not copies or directory in self._spares or directory in self._unlinkable or _limits.COPIES < 2:
             return
-        first = len(copies) < COPIES
-        if first or any(c.links >= LINKS_PER_COPY - 2 for c in copies):
+        first = len(copies) < _limits.COPIES
+        if first or any(c.links >= _limits.LINKS_PER_COPY - 2 for c in copies):
             source = copies[-1]  # the newest: the tensors as they are now
             name = _frozen_copies.newest(source)
             tmp = store.temp_name(store.join(directory, "frozen-copy.data"))
             job = self._background(write_copy, name, source.names[name][0], tmp, source.offsets, source.layout,
                                    source.digests)
-            due = count + 1 + (ONE_COPY_SAVES if first else 0)
+            due = count + 1 + (_limits.ONE_COPY_SAVES if first else 0)
             self._spares[directory] = _frozen_copies.Spare(count, due, source, tmp, job)
 
     def _background(self, fn: Any, *args: Any) -> Future[Any]:
@@ -362,7 +307,7 @@ class FrozenSharing:
             if key is None or st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                 return
             copies.insert(0, Copy({data: key}, {}, {}, {}, {}, st.st_size, used=0, verified=0))
-        self._copies[directory] = _frozen_copies.keep_two(copies, COPIES, gone=data)
+        self._copies[directory] = _frozen_copies.keep_two(copies, _limits.COPIES, gone=data)
         for c in self._copies[directory]:
             if data in c.names:
                 c.leaving += 1
@@ -388,25 +333,3 @@ class Decision:
         else:
             self.sharing.save(ck, path, self.snap, self.external_data, kept, store)
 
-
-def _torch(ck: CheckpointContents, name: str) -> torch.Tensor:
-    """Frozen tensor ``name`` of ``ck``, one the snapshot took (only torch tensors of the module take part)."""
-    t = ck.frozen[name]
-    assert isinstance(t, torch.Tensor), name
-    return t
-
-
-def _nbytes(ck: CheckpointContents, names: Collection[str]) -> int:
-    """The bytes of the frozen tensors ``names`` of ``ck``."""
-    return sum(_torch(ck, n).numel() * _torch(ck, n).element_size() for n in names)
-
-
-def _copy_unchanged(t: torch.Tensor, snap: Snapshot, name: str, path: str) -> torch.Tensor:
-    """A copy of the live tensor ``t`` an asynchronous save kept uncopied, made on the writer thread; it must still
-    be what it was at the save call."""
-    copy = t.detach().to("cpu", copy=True)
-    ref, state = snap.live[name]
-    if ref() is None or _state(ref()) != state:  # type: ignore[arg-type]
-        raise CheckpointSaveError(f"frozen tensor {name!r} was changed in place while its asynchronous save was "
-                                  "being written; the file would mix two training steps, so it was not written", path)
-    return copy

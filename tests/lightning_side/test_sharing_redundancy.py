@@ -30,7 +30,8 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import _cli
-from lightning_ort_ckpt._sharing import _policy as sharing
+from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt._sharing import _limits as limits
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.format import CheckpointContents, CheckpointReader, load_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
@@ -41,7 +42,7 @@ from helpers.frozen import ENTRY, SHARED, checkpoints, fit, inode, second_copy_a
 from helpers.frozen import StartStep, flip, frozen_module, record_read_backs
 
 WEIGHT = "weight"  # 2 MiB of frozen float32: shared
-WINDOW = sharing.ONE_COPY_SAVES  # the default (the fixture second_copy_at_once sets none)
+WINDOW = limits.ONE_COPY_SAVES  # the default (the fixture second_copy_at_once sets none)
 
 
 def save(sh: sharing.FrozenSharing, module: torch.nn.Module, path: Path, tag: str) -> None:
@@ -99,7 +100,7 @@ def held(sh: sharing.FrozenSharing) -> threading.Event:
 # -- 1. two independent copies ------------------------------------------------------------------------------------
 def test_consecutive_saves_alternate_between_two_independent_copies(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharing, "LINKS_PER_COPY", 3)
+    monkeypatch.setattr(limits, "LINKS_PER_COPY", 3)
     _, module, paths = run(tmp_path, 12)
     inodes = [inode(p) for p in paths]
     assert all(a != b for a, b in zip(inodes, inodes[1:]))  # any two consecutive files: two independent copies
@@ -115,7 +116,7 @@ def test_the_second_copy_is_written_in_the_background(tmp_path: Path, monkeypatc
     """The saves right after the first link the one copy while the second is written in the background (they do
     not wait for it: here it cannot even start); the next save waits for it, links it, and from then on saves
     alternate. Nothing hidden is left but what a checkpoint links; close() stops the thread."""
-    monkeypatch.setattr(sharing, "ONE_COPY_SAVES", WINDOW)  # the default, undoing the fixture's
+    monkeypatch.setattr(limits, "ONE_COPY_SAVES", WINDOW)  # the default, undoing the fixture's
     window = WINDOW
     assert window >= 1
     sh, module = sharing.FrozenSharing(), frozen_module()
@@ -163,7 +164,7 @@ def test_teardown_stops_the_background_thread_and_leaves_nothing_hidden(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A fit with a window of one save: the plugin's teardown waits for the background work and stops its thread;
     what is left in the folder is the checkpoints and their .data files."""
-    monkeypatch.setattr(sharing, "ONE_COPY_SAVES", 1)
+    monkeypatch.setattr(limits, "ONE_COPY_SAVES", 1)
     fit(tmp_path / "run", steps=6)
     assert not [t for t in threading.enumerate() if t.name.startswith("ort-ckpt-frozen-copies")]
     files = checkpoints(tmp_path / "run")
@@ -211,7 +212,7 @@ def test_read_backs_run_in_the_background_even_where_retention_deletes_the_name_
     it takes its result (waiting where it is not done), also where retention (a top-2 deleting the oldest) deleted
     names of the copy before the worker got to them; no save reads a copy back itself. The worker is held until
     each deletion is done, so every read-back starts after it."""
-    monkeypatch.setattr(sharing, "VERIFY_EVERY", 8)
+    monkeypatch.setattr(limits, "VERIFY_EVERY", 8)
     calls = record_read_backs(monkeypatch)
     sh, module = sharing.FrozenSharing(), frozen_module()
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 25)]
@@ -234,7 +235,7 @@ def test_a_read_back_whose_first_name_was_deleted_reads_another_name_of_the_copy
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Retention deletes the very name a background read-back was to read, before the worker gets to it: the
     read-back reads another name of the same file, and the save that relies on it takes that result."""
-    monkeypatch.setattr(sharing, "VERIFY_EVERY", 8)
+    monkeypatch.setattr(limits, "VERIFY_EVERY", 8)
     calls = record_read_backs(monkeypatch)
     sh, module, paths = run(tmp_path, 6)
     gate = held(sh)
@@ -316,7 +317,7 @@ def test_damage_hidden_from_the_identity_is_found_within_verify_every_saves(tmp_
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Same size and mtime, and a link count changed at the same time (which looks like our own link or deletion):
     no stat tells; the full read-back every VERIFY_EVERY saves does."""
-    monkeypatch.setattr(sharing, "VERIFY_EVERY", 6)
+    monkeypatch.setattr(limits, "VERIFY_EVERY", 6)
     sh, module, paths = run(tmp_path, 4)
     flip(data(paths[2]), keep_mtime=True)
     os.link(data(paths[2]), tmp_path / "extra-name")  # the link count moves with the change time
@@ -566,7 +567,7 @@ def test_top2_keeping_the_best_and_the_newest(tmp_path: Path, victim: str) -> No
 def test_a_fresh_copy_makes_the_reserve_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Top-1 retention by hand, a fresh copy after 2 links: the reserve goes when a save links it, or when a save
     writes a fresh copy (two copies named by checkpoints again); retention then reserves the copy it deletes."""
-    monkeypatch.setattr(sharing, "LINKS_PER_COPY", 2)
+    monkeypatch.setattr(limits, "LINKS_PER_COPY", 2)
     sh, module = sharing.FrozenSharing(), frozen_module()
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 9)]
     linked_reserve: list[bool] = []
