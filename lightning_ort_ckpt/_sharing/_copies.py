@@ -1,21 +1,29 @@
-"""The independent copies of a directory's frozen tensors, as one plugin's frozen sharing tracks them
-(``_sharing`` decides which a save links): each copy's names and what they were when last looked at, whether its
-bytes on disk are known good (read back against the checksums, in the background or when due), the reserve names
-that keep a copy no checkpoint names, and what is done when one is found damaged (``format._shared_data.repair``:
-a fresh copy from good bytes, the checkpoints that linked the damaged one relinked to it).
+"""The independent copies of a directory's frozen tensors, as one plugin's frozen sharing tracks them, and every
+choice about them (:class:`Copies`: which a save links, what is written or read back ahead, what retention must keep):
+each copy's names and what they were when last looked at, whether its bytes on disk are known good (read back against
+the checksums, in the background or when due), the reserve names that keep a copy no checkpoint names, and what is
+done when one is found damaged (``format._shared_data.repair``: a fresh copy from good bytes, the checkpoints that
+linked the damaged one relinked to it). Their files are touched only through ``format._shared_data``.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import warnings
-from concurrent.futures import Future
+from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from ._snapshot import Seen
+from . import _limits
+from ._snapshot import Seen, Snapshot, nbytes
 from ..errors import CheckpointWarning
-from ..format._shared_data import (Identity, drop_name, identity, is_reserve, keep_reserve, looked_at, repair,
-                                  reserves, sharing_checkpoints, verify_data)
+from ..format import CheckpointContents, data_path
+from ..format._checksums import param_key
+from ..format._shared_data import (Identity, SavedData, SharedFrozen, drop_name, identity, is_reserve, keep_reserve,
+                                   looked_at, repair, reserves, sharing_checkpoints, verify_data, write_copy)
+from ..format._store import Store
 
 
 Key = tuple[Identity, int, int]  # a .data name's identity, ctime and link count when last looked at
@@ -239,3 +247,209 @@ def drop_temp(copy: Copy) -> None:
         drop_name(copy.temp)
         copy.names.pop(copy.temp, None)
         copy.temp = None
+
+
+class Worker:
+    """The one thread of a plugin's frozen sharing for the background copies and read-backs: started on first need,
+    stopped by :meth:`close` (at the plugin's teardown), which waits for it; nothing at import, nothing global."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ort-ckpt-frozen-copies")
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+class Copies:
+    """The independent copies of one directory's frozen tensors that a plugin tracks, and every choice about them:
+    which one a save links (:meth:`choose`), what it leaves to the next (:meth:`record`: the copy it wrote or linked,
+    and what is started ahead in the background), what retention must not take (:meth:`before_remove`).
+
+    Redundancy: a save links the copy linked least recently, so that consecutive saves alternate between independent
+    files (any two of them kept, every frozen byte is in two files); where fewer than ``COPIES`` copies can be
+    linked, it links the copy written in the background for it (waiting for it once it is due, and linking the one
+    copy before: the window of ``ONE_COPY_SAVES`` saves), or writes a fresh ``.data`` where none is on its way (the
+    first save, a damaged copy, a link refused). A copy within two links of ``LINKS_PER_COPY`` gets its successor
+    written in the background (one damaged file takes at most that many checkpoints). Before a save links a copy, its
+    bytes on disk are known good: read back and hashed against the recorded checksums when its identity changed
+    (inode, size, modification time, or the change time without a change of link count: links and deletions are
+    ours, and change both once done; one of our deletions under way, renamed away and not yet unlinked, explains a
+    change time alone), on the save path, and every ``VERIFY_EVERY`` saves in any case, in the background (reading the
+    newest name of the copy that still opens: retention may delete names meanwhile); a copy that fails is never
+    linked again (a warning names the checkpoints it took, which are repaired), and the save writes a fresh one.
+    (The numbers are ``_limits``'.)
+
+    Retention may delete every checkpoint of one copy (a metric-ranked top-k keeps the best, whichever copy they
+    link): :meth:`before_remove` then keeps that copy under a reserve name (``format._shared_data.keep_reserve``), and
+    later saves link it like any other name; the reserve goes as soon as the copy is a checkpoint's again or
+    ``COPIES`` other copies are on disk. Reserves of an earlier run (or kept through a failed save) are adopted by the
+    next save to the directory, and go once ``COPIES`` copies of this run are on disk.
+    """
+
+    def __init__(self, directory: str, worker: Worker) -> None:
+        self.directory = directory
+        self._worker = worker  # the plugin's: background copies and read-backs
+        self.copies: list[Copy] | None = None  # None while a save is under way, and after a failed one (the next
+        # starts afresh, adopting the reserves it left)
+        self.count = 0  # the directory's saves
+        self.spare: Spare | None = None  # the copy being written for later saves
+        self.unlinkable = False  # the last link was refused here: no copies written ahead
+        self._saving: list[Copy] = []  # the copies of the save under way
+
+    def begin(self) -> None:
+        """A save of the directory starts: it works on the copies tracked (else the reserves on disk), which the
+        directory forgets should it fail."""
+        self._saving = self.copies or orphans(self.directory)
+        self.copies = None
+        self.count += 1
+
+    def forget(self) -> None:
+        """The save failed: the copies are forgotten (a copy written for this run that no save linked goes with
+        them)."""
+        for c in self._saving:
+            drop_temp(c)
+        self._saving = []
+
+    def refused(self, link: bool, all_copies: bool) -> None:
+        """The writer refused the plan (``NotShared``): ``link``, no link can be made here; ``all_copies``, no copy
+        may be linked by this save (a link refused, a parameter changed through ``.data``)."""
+        if link:
+            self.unlinkable = True
+        if all_copies:
+            for c in self._saving:
+                drop_temp(c)
+            self._saving.clear()
+
+    def choose(self, ck: CheckpointContents, snap: Snapshot, volatile: Collection[str], trust: bool,
+               path: str) -> tuple[Copy | None, SharedFrozen | None]:
+        """The copy this save links and the plan for it, or (None, a fresh ``.data``) while fewer than ``COPIES``
+        copies can be linked, or (None, None) where too little is left to share; drops the copies no name reaches
+        any more and those that fail verification. ``volatile``: tensors never shared; ``trust``: frozen parameters
+        taken on torch's word (not hashed again).
+
+        The copy written in the background (:meth:`record`) joins when a save finds fewer than ``COPIES`` to link,
+        once it is due (waiting for it where it is not written yet); before it is due (the ``ONE_COPY_SAVES`` saves
+        after a fresh copy), those saves link the one copy there is."""
+        copies = self._saving
+        while True:
+            copies[:] = [c for c in copies if reachable(c)]
+            linkable = []
+            for c in copies:
+                same = {n: c.offsets[n] for n in snap.live if n in c.offsets and n not in volatile
+                        and snap.still(n, c.seen.get(n))}
+                shared_bytes = nbytes(ck, same)
+                if (shared_bytes * 2 >= c.size and shared_bytes >= _limits.MIN_TOTAL_BYTES
+                        and c.links < _limits.LINKS_PER_COPY):
+                    linkable.append((c, same))
+            spare = self.spare
+            if len(linkable) < _limits.COPIES and spare is not None and self.count >= spare.due:
+                self.spare = None
+                resolve(spare, copies, path)
+                continue
+            if not linkable or (len(linkable) < _limits.COPIES and spare is None):
+                break
+            chosen, same = min(linkable, key=lambda item: item[0].used)
+            source = checked(chosen, self.count, path, _limits.VERIFY_EVERY)
+            if source is None:
+                copies.remove(chosen)
+                drop_reserves(chosen)  # damaged: its reserve holds the same bad bytes
+                continue
+            keys = [param_key(n) for n in same]
+            trusted = frozenset(snap.params & same.keys()) if trust else frozenset()
+            return chosen, SharedFrozen(same, source, chosen.names[source][0],
+                                        {k: chosen.digests[k] for k in keys if k in chosen.digests}, trusted)
+        names = set(snap.live) - set(volatile)  # a fresh .data
+        if nbytes(ck, names) < _limits.MIN_TOTAL_BYTES:
+            return None, None
+        return None, SharedFrozen.fresh(names)
+
+    def record(self, path: str, snap: Snapshot, saved: SavedData, chosen: Copy | None, store: Store) -> None:
+        """After the save to ``path`` put ``saved`` in its ``.data`` (linking ``chosen``, or a fresh file): the copies
+        the next saves choose from, and what they will need started in the background (:meth:`_ahead`)."""
+        copies = self._saving
+        self._saving = []
+        if saved.linked:
+            self.unlinkable = False
+        data = data_path(os.path.abspath(path))
+        for c in copies:  # this name now reaches what this save put there (the save deleted what it held before)
+            if c.names.pop(data, None) is not None and c is not chosen:
+                c.leaving += 1
+        key = key_of(data)
+        if saved.linked and chosen is not None and key is not None:
+            drop_temp(chosen)  # a checkpoint's now
+            restat(chosen)  # one more link: their ctime and count moved
+            chosen.names[data] = key
+            chosen.links += 1
+            chosen.used = self.count
+            chosen.seen.update({n: snap.live[n] for n in saved.offsets if n in snap.live})
+        elif key is not None:
+            copies.append(Copy({data: key}, saved.offsets, saved.digests, saved.layout,
+                               {n: snap.live[n] for n in saved.offsets if n in snap.live}, saved.identity[2],
+                               used=self.count, verified=self.count))
+        copies = keep_two([c for c in copies if c.names], _limits.COPIES)
+        for c in copies[:-_limits.REMEMBERED]:
+            drop_reserves(c)
+        self.copies = copies[-_limits.REMEMBERED:]
+        self._ahead(store)
+
+    def _ahead(self, store: Store) -> None:
+        """Start in the background what later saves will need, so that they do not wait for it: the read-back of a
+        copy once 3/4 of ``VERIFY_EVERY`` saves passed since its last (its result is taken by the save that links it
+        next, waited for only where it is due and not done), and an independent copy of the newest one while fewer
+        than ``COPIES`` can be linked (after the first save of a directory) or one is within two links of
+        ``LINKS_PER_COPY`` (its renewal)."""
+        count = self.count
+        copies = [c for c in self.copies or [] if c.offsets and c.links < _limits.LINKS_PER_COPY]
+        for c in copies:
+            if c.checking is None and c.temp is None and count - c.verified >= _limits.VERIFY_EVERY * 3 // 4:
+                names = by_age(c)
+                c.checking = (count, names[0], self._worker.submit(read_back, names, c.offsets, c.layout, c.digests))
+        if not copies or self.spare is not None or self.unlinkable or _limits.COPIES < 2:
+            return
+        first = len(copies) < _limits.COPIES
+        if first or any(c.links >= _limits.LINKS_PER_COPY - 2 for c in copies):
+            source = copies[-1]  # the newest: the tensors as they are now
+            name = newest(source)
+            tmp = store.temp_name(store.join(self.directory, "frozen-copy.data"))
+            job = self._worker.submit(write_copy, name, source.names[name][0], tmp, source.offsets, source.layout,
+                                      source.digests)
+            due = count + 1 + (_limits.ONE_COPY_SAVES if first else 0)
+            self.spare = Spare(count, due, source, tmp, job)
+
+    def before_remove(self, path: str) -> None:
+        """Before checkpoint ``path`` of the directory is deleted: where its ``.data`` is the last name of a copy
+        while a kept checkpoint links another and fewer than ``COPIES`` other copies remain, keep that copy under a
+        reserve name; drop the reserves no longer needed. The last name of a ``.data`` this plugin did not write (an
+        earlier run's, before a resume) is kept the same way, until ``COPIES`` copies of this run are on disk."""
+        data = data_path(path)
+        copies = self.copies
+        if not copies:
+            return
+        if not any(data in c.names for c in copies):
+            key, st = key_of(data), looked_at(data)
+            if key is None or st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                return
+            copies.insert(0, Copy({data: key}, {}, {}, {}, {}, st.st_size, used=0, verified=0))
+        self.copies = keep_two(copies, _limits.COPIES, gone=data)
+        for c in self.copies:
+            if data in c.names:
+                c.leaving += 1
+
+    def close(self) -> None:
+        """At the plugin's teardown, its worker stopped: delete the copy written for later saves that no save linked
+        (the copies the checkpoints link stay)."""
+        if self.spare is not None:
+            drop_name(self.spare.tmp)
+            self.spare = None
+        if self.copies is not None:
+            for c in self.copies:
+                c.checking = None
+                drop_temp(c)
+            self.copies = [c for c in self.copies if c.names]

@@ -93,7 +93,7 @@ def hidden(directory: Path) -> list[str]:
 def held(sh: sharing.FrozenSharing) -> threading.Event:
     """Keep the background worker of ``sh`` busy until the event is set: what it is asked meanwhile waits."""
     gate = threading.Event()
-    sh._background(gate.wait, 60)
+    sh._worker.submit(gate.wait, 60)
     return gate
 
 
@@ -124,7 +124,7 @@ def test_the_second_copy_is_written_in_the_background(tmp_path: Path, monkeypatc
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, window + 8)]
     for i, p in enumerate(paths[:window + 1], 1):
         save(sh, module, p, f"step {i}")
-    spare = sh._spares[str(tmp_path)]
+    spare = sh._dirs[str(tmp_path)].spare
     assert not spare.job.done() and not os.path.exists(spare.tmp)  # the window's saves did not wait for it
     assert len({inode(p) for p in paths[:window + 1]}) == 1  # the window: one copy
     gate.set()
@@ -181,7 +181,7 @@ def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, 
     against the checksums; a source that is no longer the inode asked for, or whose bytes differ, leaves nothing."""
     sh, module, paths = run(tmp_path, 1)
     sh.close()
-    copy = sh._copies[str(tmp_path)][0]
+    copy = sh._dirs[str(tmp_path)].copies[0]
     source = str(data(paths[0]))
     if not sendfile:
         def refuse(*args: Any) -> int:
@@ -226,7 +226,7 @@ def test_read_backs_run_in_the_background_even_where_retention_deletes_the_name_
         gate.set()
     sh.close()
     assert len(calls) >= 4 and on_worker(calls), calls
-    assert all(c.verified >= 24 - 8 for c in sh._copies[str(tmp_path)])  # and their results were taken
+    assert all(c.verified >= 24 - 8 for c in sh._dirs[str(tmp_path)].copies)  # and their results were taken
     for p in paths[-2:]:
         assert loads(p, module)
 
@@ -241,7 +241,7 @@ def test_a_read_back_whose_first_name_was_deleted_reads_another_name_of_the_copy
     gate = held(sh)
     seventh = tmp_path / "step=7.ckpt"
     save(sh, module, seventh, "step 7")  # 3/4 of VERIFY_EVERY after the first: both read-backs are asked for
-    copies = sh._copies[str(tmp_path)]
+    copies = sh._dirs[str(tmp_path)].copies
     first = [c.checking[1] for c in copies if c.checking is not None]
     assert len(first) == 2 and calls == []
     for name in first:
@@ -258,7 +258,7 @@ def test_a_read_back_whose_first_name_was_deleted_reads_another_name_of_the_copy
     others = [n for n in read if n not in gone]
     assert on_worker(calls) and gone <= set(read) and len(others) == 2, calls  # each tried, then another name
     assert all((tmp_path / n).exists() for n in others)
-    assert all(c.verified >= 7 for c in sh._copies[str(tmp_path)])
+    assert all(c.verified >= 7 for c in sh._dirs[str(tmp_path)].copies)
     for p in [q for q in paths + [seventh] + later if q.exists()]:
         assert loads(p, module)
 
