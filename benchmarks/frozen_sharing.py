@@ -60,7 +60,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt import _sharing
+from lightning_ort_ckpt._sharing import _limits
 from lightning_ort_ckpt.format import (CheckpointContents, OptimizerGroup, load_checkpoint, open_checkpoint,
                                        save_checkpoint)
 from lightning_ort_ckpt.format import _atomic as atomic
@@ -144,9 +144,9 @@ def run(kind: str, directory: str, args: argparse.Namespace, state: dict[str, to
         io = OrtCheckpointIO(share_frozen={"sharing": True, "one copy (old)": True, "trusted": "trusted",
                                            "whole": False}[kind])
         callback = OrtCheckpoint(**every)
-    knobs = (_sharing.COPIES, _sharing.LINKS_PER_COPY, _sharing.VERIFY_EVERY)
+    knobs = (_limits.COPIES, _limits.LINKS_PER_COPY, _limits.VERIFY_EVERY)
     if kind == "one copy (old)":  # the sharing of before issue 24
-        _sharing.COPIES, _sharing.LINKS_PER_COPY, _sharing.VERIFY_EVERY = 1, 1 << 30, 1 << 30
+        _limits.COPIES, _limits.LINKS_PER_COPY, _limits.VERIFY_EVERY = 1, 1 << 30, 1 << 30
     trainers: list[pl.Trainer] = []
     timing = Timing(io, (lambda: trainable_alone(model, trainers[0], directory)) if kind == "sharing" else None)
     g = torch.Generator().manual_seed(0)
@@ -161,7 +161,7 @@ def run(kind: str, directory: str, args: argparse.Namespace, state: dict[str, to
             warnings.simplefilter("ignore")
             trainer.fit(model, DataLoader(data, batch_size=8))
     finally:
-        _sharing.COPIES, _sharing.LINKS_PER_COPY, _sharing.VERIFY_EVERY = knobs
+        _limits.COPIES, _limits.LINKS_PER_COPY, _limits.VERIFY_EVERY = knobs
     atomic.wait_for_cleanup()
     files = sorted(f for f in os.listdir(directory) if f.endswith(".ckpt"))
     main = max(os.path.getsize(os.path.join(directory, f)) for f in files)

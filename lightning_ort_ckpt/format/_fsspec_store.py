@@ -27,13 +27,12 @@ import os
 import posixpath
 import secrets
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from ._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME, SaveFiles, data_path
 from ._fsspec_compat import abandon, bounded_s3, instance
-from ._shared_data import Identity
 from ._urls import is_remote
 
 _WHOLE_ON_COMPLETE = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
@@ -80,7 +79,7 @@ class FsspecStore:
 
     @contextlib.contextmanager
     def writing(self, path: str, *, with_data: bool, required_bytes: int,
-                link_data: tuple[str, Identity] | None = None) -> Iterator[SaveFiles]:
+                link_data: Callable[[str], bool] | None = None) -> Iterator[SaveFiles]:
         uploads: list[_Upload] = []
         data_done = False
         try:

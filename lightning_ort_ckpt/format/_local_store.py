@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -16,7 +16,6 @@ from . import _atomic
 from ._atomic import SaveFiles
 from ._diskio import check_regular, open_regular
 from ._naming import data_path
-from ._shared_data import Identity
 from ._urls import is_remote
 
 
@@ -39,7 +38,7 @@ class LocalStore:
         _atomic.wait_for_cleanup()
 
     def writing(self, path: str, *, with_data: bool, required_bytes: int,
-                link_data: tuple[str, Identity] | None = None) -> AbstractContextManager[SaveFiles]:
+                link_data: Callable[[str], bool] | None = None) -> AbstractContextManager[SaveFiles]:
         return _atomic.atomic_save(path, with_data=with_data, required_bytes=required_bytes, link_data=link_data)
 
     @contextlib.contextmanager

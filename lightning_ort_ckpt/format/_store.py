@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 from contextlib import AbstractContextManager
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._atomic import SaveFiles
 from ._fsspec_store import FsspecStore
 from ._local_store import LocalStore
-from ._shared_data import Identity
 from ._urls import is_remote, local_path, strip_protocol
 
 __all__ = ["BACKENDS", "Backend", "StorageOptions", "Store", "is_remote", "local_path", "register", "store_for",
@@ -41,15 +41,16 @@ class Store(Protocol):
     rewritable: bool
     """Whether the writer may write into a new file after streaming it (the checksum record); else it hashes first."""
     links: bool
-    """Whether a new ``.data`` can be a hard link to an existing one (frozen sharing, ``format._shared_data``)."""
+    """Whether a new ``.data`` can be a hard link to an existing one (frozen sharing: ``link_data``)."""
     local: bool
     """Whether its paths are the local file system's: :meth:`fetched` hands back the file itself (no download)."""
 
     def writing(self, path: str, *, with_data: bool, required_bytes: int,
-                link_data: tuple[str, Identity] | None = None) -> AbstractContextManager[SaveFiles]:
+                link_data: Callable[[str], bool] | None = None) -> AbstractContextManager[SaveFiles]:
         """New files to stream into; on a clean exit they replace ``path`` (and its ``.data``) whole, ``.data``
-        first; on an exception nothing changes. ``link_data``: make ``.data`` a hard link to that file instead,
-        where the store can (``SaveFiles.linked``)."""
+        first; on an exception nothing changes. ``link_data``: called with the new ``.data``'s temporary name, it
+        makes that a link to an existing file instead (the sharing plan's ``link``), where the store can and it
+        returns True (``SaveFiles.linked``)."""
         ...
 
     def fetched(self, path: str) -> AbstractContextManager[str]:

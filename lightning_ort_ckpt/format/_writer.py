@@ -40,7 +40,7 @@ from ._dtypes import DataType, from_numpy, from_torch
 from ._flatbuffers import Blob, LayoutBuilder, LayoutTooLarge, Piece
 from ._platform import portable_io
 from ._store import StorageOptions, Store, store_for
-from ._shared_data import NotShared, SavedData, SharedFrozen, SharedTooLarge, carried_out
+from ._shared_data import NotShared, SavedData, SharedFrozen, SharedTooLarge
 from ._schema import (EXTERNAL_DATA_OFFSET_DEFAULT, FILE_IDENTIFIER, VERSION, CheckpointSlot, ModuleStateSlot, OptimizerGroupSlot, ParameterOptimizerStateSlot, PropertyBagSlot, PropertySlot, TensorSlot)
 
 ExternalData = Literal["auto", "never", "params", "all"]
@@ -94,11 +94,11 @@ def _save(checkpoint: CheckpointContents, path: str, store: Store, external_data
           shared: SharedFrozen | None) -> SavedData | None:
     tensors = _Tensors(path)
     plan = _plan_for_mode(checkpoint, tensors, external_data, path, checksums, shared)
-    link = (shared.link_from, shared.identity) if shared is not None and shared.link_from is not None else None
+    link = shared.link if shared is not None and shared.link_from is not None else None
     # a store that cannot write into a file it streamed (an upload) gets the checksum record computed first
     record = plan.checksums.fill(_digests(tensors)) if plan.checksums is not None and not store.rewritable else None
     try:
-        with store.writing(path, with_data=plan.data_size is not None, link_data=link,  # type: ignore[arg-type]
+        with store.writing(path, with_data=plan.data_size is not None, link_data=link,
                            required_bytes=plan.size + (plan.data_size or 0)) as files:
             if link is not None and not files.linked:  # no link here (another file system): nothing written yet
                 raise NotShared(path, [])
@@ -136,14 +136,14 @@ def _digests(tensors: _Tensors) -> dict[str, int]:
 
 def _check_shared(shared: SharedFrozen, plan: _Plan, tensors: _Tensors, files: SaveFiles,
                   digests: dict[str, int], path: str) -> SavedData:
-    """What the save put in ``.data`` (``_shared_data.carried_out``: the linked tensors confirmed, the file made
+    """What the save put in ``.data`` (``SharedFrozen.carried_out``: the linked tensors confirmed, the file made
     read-only), from what this save planned and hashed."""
     hashed = set(_to_verify(shared, plan, tensors))
     linked = [(tensors.entries[k].name, tensors.entries[k].checksum_key, k in hashed) for k in plan.linked]
     layout = {e.name: (int(e.dtype), tuple(e.dims), e.nbytes) for e in tensors.entries
               if e.name in plan.offsets and e.checksum_key == _checksums.param_key(e.name)}
     data = files.data.fileno() if files.data is not None else None
-    return carried_out(shared, linked, digests, files.linked, data, plan.offsets, layout, path)
+    return shared.carried_out(linked, digests, files.linked, data, plan.offsets, layout, path)
 
 
 def _to_verify(shared: SharedFrozen | None, plan: _Plan, tensors: _Tensors) -> list[int]:

@@ -584,7 +584,7 @@ def test_lightning_packages(tmp_path: Any, package: str, explicit_plugin: bool) 
 
 def _fail_after_first_save(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Make the plugin's background writer fail (OSError) on every save after the first; returns the saved paths."""
-    from lightning_ort_ckpt import _sharing as storage  # where the plugin's saves go (its Decision.write)
+    from lightning_ort_ckpt._sharing import _policy as storage  # where the plugin's saves go (its Decision.write)
 
     real, calls = storage.save_checkpoint, []
 

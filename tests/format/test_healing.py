@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_ort_ckpt import _cli
 from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt._sharing import _limits as limits
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from lightning_ort_ckpt.format import CheckpointContents, CheckpointReader, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
@@ -242,7 +243,7 @@ def test_damage_found_by_the_background_read_back_is_repaired(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Same size and mtime, and a link count moved with the change time: only a read-back finds it; the save that
     takes it writes a fresh copy from the other copy's bytes and relinks the checkpoints of the damaged one."""
-    monkeypatch.setattr(sharing, "VERIFY_EVERY", 4)
+    monkeypatch.setattr(limits, "VERIFY_EVERY", 4)
     read_backs = record_read_backs(monkeypatch)
     sh, module = sharing.FrozenSharing(), frozen_module()
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 13)]

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint
-from lightning_ort_ckpt import _frozen_copies as frozen_copies
-from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt._sharing import _copies as frozen_copies
+from lightning_ort_ckpt._sharing import _limits as limits
 from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import _shared_data as shared
@@ -37,7 +37,7 @@ def second_copy_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """No window with one copy: the save after a fresh copy waits for the second copy (written in the background),
     so that saves alternate between the two copies from the first on, as these tests count them
     (tests/lightning_side/test_sharing_redundancy.py tests the window, with the default)."""
-    monkeypatch.setattr(sharing, "ONE_COPY_SAVES", 0)
+    monkeypatch.setattr(limits, "ONE_COPY_SAVES", 0)
 
 
 class Scored(type(ENTRY.build(0))):  # type: ignore[misc]
@@ -128,7 +128,7 @@ def flip(path: Path, keep_mtime: bool) -> None:
 
 
 def record_read_backs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """(thread, file name) of every read-back of a copy (``verify_data`` called by ``_frozen_copies``, the copies
+    """(thread, file name) of every read-back of a copy (``verify_data`` called by ``_sharing._copies``, the copies
     ``_sharing`` tracks) from now on."""
     calls: list[tuple[str, str]] = []
     verify = frozen_copies.verify_data

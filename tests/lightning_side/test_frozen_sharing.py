@@ -26,6 +26,7 @@ import torch
 
 from lightning_ort_ckpt import OrtCheckpointIO
 from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt._sharing import _limits as limits
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt.format import save_checkpoint
@@ -214,7 +215,7 @@ def test_trusted_sharing_takes_torchs_word_and_misses_a_write_through_data(tmp_p
 
 
 def test_batchnorm_statistics_are_written_each_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharing, "MIN_BYTES", 1024)  # the BatchNorm buffers (5 KiB each) take part too
+    monkeypatch.setattr(limits, "MIN_BYTES", 1024)  # the BatchNorm buffers (5 KiB each) take part too
     _, _, states = fit(tmp_path, steps=4)
     files = checkpoints(tmp_path)
     first = external(files[0])

@@ -31,6 +31,7 @@ import torch
 
 from lightning_ort_ckpt import _cli
 from lightning_ort_ckpt import _sharing as sharing
+from lightning_ort_ckpt._sharing import _limits as limits
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.format import CheckpointContents, CheckpointReader, load_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
@@ -41,7 +42,7 @@ from helpers.frozen import ENTRY, SHARED, checkpoints, fit, inode, second_copy_a
 from helpers.frozen import StartStep, flip, frozen_module, record_read_backs
 
 WEIGHT = "weight"  # 2 MiB of frozen float32: shared
-WINDOW = sharing.ONE_COPY_SAVES  # the default (the fixture second_copy_at_once sets none)
+WINDOW = limits.ONE_COPY_SAVES  # the default (the fixture second_copy_at_once sets none)
 
 
 def save(sh: sharing.FrozenSharing, module: torch.nn.Module, path: Path, tag: str) -> None:
@@ -92,14 +93,14 @@ def hidden(directory: Path) -> list[str]:
 def held(sh: sharing.FrozenSharing) -> threading.Event:
     """Keep the background worker of ``sh`` busy until the event is set: what it is asked meanwhile waits."""
     gate = threading.Event()
-    sh._background(gate.wait, 60)
+    sh._worker.submit(gate.wait, 60)
     return gate
 
 
 # -- 1. two independent copies ------------------------------------------------------------------------------------
 def test_consecutive_saves_alternate_between_two_independent_copies(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sharing, "LINKS_PER_COPY", 3)
+    monkeypatch.setattr(limits, "LINKS_PER_COPY", 3)
     _, module, paths = run(tmp_path, 12)
     inodes = [inode(p) for p in paths]
     assert all(a != b for a, b in zip(inodes, inodes[1:]))  # any two consecutive files: two independent copies
@@ -115,7 +116,7 @@ def test_the_second_copy_is_written_in_the_background(tmp_path: Path, monkeypatc
     """The saves right after the first link the one copy while the second is written in the background (they do
     not wait for it: here it cannot even start); the next save waits for it, links it, and from then on saves
     alternate. Nothing hidden is left but what a checkpoint links; close() stops the thread."""
-    monkeypatch.setattr(sharing, "ONE_COPY_SAVES", WINDOW)  # the default, undoing the fixture's
+    monkeypatch.setattr(limits, "ONE_COPY_SAVES", WINDOW)  # the default, undoing the fixture's
     window = WINDOW
     assert window >= 1
     sh, module = sharing.FrozenSharing(), frozen_module()
@@ -123,7 +124,7 @@ def test_the_second_copy_is_written_in_the_background(tmp_path: Path, monkeypatc
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, window + 8)]
     for i, p in enumerate(paths[:window + 1], 1):
         save(sh, module, p, f"step {i}")
-    spare = sh._spares[str(tmp_path)]
+    spare = sh._dirs[str(tmp_path)].spare
     assert not spare.job.done() and not os.path.exists(spare.tmp)  # the window's saves did not wait for it
     assert len({inode(p) for p in paths[:window + 1]}) == 1  # the window: one copy
     gate.set()
@@ -163,7 +164,7 @@ def test_teardown_stops_the_background_thread_and_leaves_nothing_hidden(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A fit with a window of one save: the plugin's teardown waits for the background work and stops its thread;
     what is left in the folder is the checkpoints and their .data files."""
-    monkeypatch.setattr(sharing, "ONE_COPY_SAVES", 1)
+    monkeypatch.setattr(limits, "ONE_COPY_SAVES", 1)
     fit(tmp_path / "run", steps=6)
     assert not [t for t in threading.enumerate() if t.name.startswith("ort-ckpt-frozen-copies")]
     files = checkpoints(tmp_path / "run")
@@ -180,7 +181,7 @@ def test_write_copy_makes_an_independent_durable_read_only_copy(tmp_path: Path, 
     against the checksums; a source that is no longer the inode asked for, or whose bytes differ, leaves nothing."""
     sh, module, paths = run(tmp_path, 1)
     sh.close()
-    copy = sh._copies[str(tmp_path)][0]
+    copy = sh._dirs[str(tmp_path)].copies[0]
     source = str(data(paths[0]))
     if not sendfile:
         def refuse(*args: Any) -> int:
@@ -211,7 +212,7 @@ def test_read_backs_run_in_the_background_even_where_retention_deletes_the_name_
     it takes its result (waiting where it is not done), also where retention (a top-2 deleting the oldest) deleted
     names of the copy before the worker got to them; no save reads a copy back itself. The worker is held until
     each deletion is done, so every read-back starts after it."""
-    monkeypatch.setattr(sharing, "VERIFY_EVERY", 8)
+    monkeypatch.setattr(limits, "VERIFY_EVERY", 8)
     calls = record_read_backs(monkeypatch)
     sh, module = sharing.FrozenSharing(), frozen_module()
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 25)]
@@ -225,7 +226,7 @@ def test_read_backs_run_in_the_background_even_where_retention_deletes_the_name_
         gate.set()
     sh.close()
     assert len(calls) >= 4 and on_worker(calls), calls
-    assert all(c.verified >= 24 - 8 for c in sh._copies[str(tmp_path)])  # and their results were taken
+    assert all(c.verified >= 24 - 8 for c in sh._dirs[str(tmp_path)].copies)  # and their results were taken
     for p in paths[-2:]:
         assert loads(p, module)
 
@@ -234,13 +235,13 @@ def test_a_read_back_whose_first_name_was_deleted_reads_another_name_of_the_copy
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Retention deletes the very name a background read-back was to read, before the worker gets to it: the
     read-back reads another name of the same file, and the save that relies on it takes that result."""
-    monkeypatch.setattr(sharing, "VERIFY_EVERY", 8)
+    monkeypatch.setattr(limits, "VERIFY_EVERY", 8)
     calls = record_read_backs(monkeypatch)
     sh, module, paths = run(tmp_path, 6)
     gate = held(sh)
     seventh = tmp_path / "step=7.ckpt"
     save(sh, module, seventh, "step 7")  # 3/4 of VERIFY_EVERY after the first: both read-backs are asked for
-    copies = sh._copies[str(tmp_path)]
+    copies = sh._dirs[str(tmp_path)].copies
     first = [c.checking[1] for c in copies if c.checking is not None]
     assert len(first) == 2 and calls == []
     for name in first:
@@ -257,7 +258,7 @@ def test_a_read_back_whose_first_name_was_deleted_reads_another_name_of_the_copy
     others = [n for n in read if n not in gone]
     assert on_worker(calls) and gone <= set(read) and len(others) == 2, calls  # each tried, then another name
     assert all((tmp_path / n).exists() for n in others)
-    assert all(c.verified >= 7 for c in sh._copies[str(tmp_path)])
+    assert all(c.verified >= 7 for c in sh._dirs[str(tmp_path)].copies)
     for p in [q for q in paths + [seventh] + later if q.exists()]:
         assert loads(p, module)
 
@@ -316,7 +317,7 @@ def test_damage_hidden_from_the_identity_is_found_within_verify_every_saves(tmp_
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Same size and mtime, and a link count changed at the same time (which looks like our own link or deletion):
     no stat tells; the full read-back every VERIFY_EVERY saves does."""
-    monkeypatch.setattr(sharing, "VERIFY_EVERY", 6)
+    monkeypatch.setattr(limits, "VERIFY_EVERY", 6)
     sh, module, paths = run(tmp_path, 4)
     flip(data(paths[2]), keep_mtime=True)
     os.link(data(paths[2]), tmp_path / "extra-name")  # the link count moves with the change time
@@ -566,7 +567,7 @@ def test_top2_keeping_the_best_and_the_newest(tmp_path: Path, victim: str) -> No
 def test_a_fresh_copy_makes_the_reserve_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Top-1 retention by hand, a fresh copy after 2 links: the reserve goes when a save links it, or when a save
     writes a fresh copy (two copies named by checkpoints again); retention then reserves the copy it deletes."""
-    monkeypatch.setattr(sharing, "LINKS_PER_COPY", 2)
+    monkeypatch.setattr(limits, "LINKS_PER_COPY", 2)
     sh, module = sharing.FrozenSharing(), frozen_module()
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, 9)]
     linked_reserve: list[bool] = []

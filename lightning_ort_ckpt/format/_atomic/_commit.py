@@ -17,13 +17,12 @@ import json
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from ...errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from .._naming import DATA_SUFFIX, data_path
-from .._shared_data import Identity, link_into
 from ._cleanup import UNLINKER, forget_listing, sweep_stale
 from ._lock import WriterLock, fsync_dir
 from ._names import check_names_fit, hidden_name, journal_path, temp_name, token, token_of, trash_name
@@ -140,11 +139,11 @@ class SaveFiles:
 
 @contextlib.contextmanager
 def atomic_save(path: str, *, with_data: bool, required_bytes: int,
-                link_data: tuple[str, Identity] | None = None) -> Iterator[SaveFiles]:
+                link_data: Callable[[str], bool] | None = None) -> Iterator[SaveFiles]:
     """Yield temporary files to write; on a clean exit make them durable and move them to ``path``.
 
-    ``link_data`` (a ``.data`` file and the inode it must be): the new ``.data`` is a hard link to it instead of a
-    file to write, when that link can be made (``SaveFiles.linked``). On any exception before the commit the
+    ``link_data`` (the sharing plan's ``link``): called with the new ``.data``'s temporary name, it makes that a link
+    to an existing file instead of a file to write, and says whether it could (``SaveFiles.linked``). On any exception before the commit the
     temporary files are removed and whatever was at ``path`` stays as it was.
     """
     target = os.path.abspath(path)
@@ -163,7 +162,7 @@ def atomic_save(path: str, *, with_data: bool, required_bytes: int,
     opened: list[BinaryIO] = []
     try:
         opened.append(open(tmp_main, "xb", buffering=0))
-        linked = tmp_data is not None and link_data is not None and link_into(*link_data, tmp_data)
+        linked = tmp_data is not None and link_data is not None and link_data(tmp_data)
         if tmp_data is not None and not linked:
             opened.append(open(tmp_data, "xb", buffering=0))
         yield SaveFiles(opened[0], opened[1] if len(opened) > 1 else None, linked)

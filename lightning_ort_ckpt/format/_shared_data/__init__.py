@@ -16,10 +16,11 @@ and found by :func:`verify_data` before anything links to the file again; :func:
 independent copies (new blocks, never a clone, read back before use); :func:`damage_note` names the checkpoints one
 damaged file takes with it (docs/format.md).
 
-The writer's side and the reader's side of a shared ``.data`` live here together. A save is told what it shares
+The writer's side and the reader's side of a shared ``.data`` live here together. A save is handed one plan object
 (:class:`SharedFrozen`, decided once by the caller, ``lightning_ort_ckpt._sharing``: which tensors, linked from
-which copy); the writer plans and streams, and :func:`carried_out` confirms the linked bytes and says what the save
-put there (:class:`SavedData`). A read whose checksum fails on a frozen tensor takes its bytes from another copy
+which copy), and neither the writer nor the store knows more of sharing: the store makes the link the plan asks for
+(``SharedFrozen.link``, its ``link_data``), the writer plans and streams, and ``SharedFrozen.carried_out`` confirms
+the linked bytes and says what the save put there (:class:`SavedData`). A read whose checksum fails on a frozen tensor takes its bytes from another copy
 (:class:`OtherCopies`; the reader keeps them in a :class:`Healing`), and :func:`repair` writes a fresh copy from
 good bytes and relinks the checkpoints that pointed at a damaged one (the save that finds damage, ``ort-ckpt verify
 --repair``).
@@ -34,9 +35,9 @@ from __future__ import annotations
 from ._healing import Healing, recorded_slots
 from ._links import Identity, identity, link_into, verify_data, write_copy
 from ._names import damage_note, drop_name, is_reserve, keep_reserve, looked_at, reserves, sharing_checkpoints
-from ._plan import NotShared, SavedData, SharedFrozen, SharedTooLarge, carried_out
+from ._plan import NotShared, SavedData, SharedFrozen, SharedTooLarge
 from ._repair import repair
 
-__all__ = ["Healing", "Identity", "NotShared", "SavedData", "SharedFrozen", "SharedTooLarge", "carried_out",
+__all__ = ["Healing", "Identity", "NotShared", "SavedData", "SharedFrozen", "SharedTooLarge",
            "damage_note", "drop_name", "identity", "is_reserve", "keep_reserve", "link_into", "looked_at",
            "recorded_slots", "repair", "reserves", "sharing_checkpoints", "verify_data", "write_copy"]

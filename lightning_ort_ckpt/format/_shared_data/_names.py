@@ -45,7 +45,7 @@ def keep_reserve(data: str, expected: Identity) -> str | None:
 
 def looked_at(path: str) -> os.stat_result | None:
     """The name ``path`` as it is now, its symbolic link not followed (None where nothing is there): how sharing
-    tells a ``.data`` name's inode, change time and link count (``lightning_ort_ckpt._frozen_copies``)."""
+    tells a ``.data`` name's inode, change time and link count (``lightning_ort_ckpt._sharing._copies``)."""
     try:
         return os.stat(path, follow_symlinks=False)
     except OSError:

@@ -1,4 +1,5 @@
-"""What one save shares (decided by the caller, ``lightning_ort_ckpt._sharing``) and what it put in ``.data``."""
+"""The one plan object of a sharing save (:class:`SharedFrozen`, decided by ``lightning_ort_ckpt._sharing``): what it
+shares, the link the store makes for it, the check the writer runs before the commit, and what it put in ``.data``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ...errors import CheckpointSaveError
 from .. import _checksums
-from ._links import Identity, identity
+from ._links import Identity, identity, link_into
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,43 @@ class SharedFrozen:
         """The tensors ``names``, written to a fresh ``.data``."""
         return cls({n: -1 for n in names})
 
+    def link(self, tmp: str) -> bool:
+        """Make ``tmp`` (the new ``.data``'s temporary name) a clone or hard link of ``link_from`` if it is still
+        the inode ``identity``; False, nothing left behind, where it is not or no link can be made here. The store
+        calls it (``Store.writing``'s ``link_data``), knowing nothing else of sharing."""
+        assert self.link_from is not None and self.identity is not None
+        return link_into(self.link_from, self.identity, tmp)
+
     def rehash(self, name: str, key: str | None) -> bool:
         """Whether the writer hashes the linked tensor ``name`` (checksum key ``key``) again: unless the caller
         trusts it and its digest was recorded."""
         return name not in self.trusted or key not in self.digests
+
+    def carried_out(self, linked: list[tuple[str, str | None, bool]], digests: dict[str, int], is_link: bool,
+                    data: int | None, offsets: dict[str, int], layout: dict[str, tuple[int, tuple[int, ...], int]],
+                    path: str) -> SavedData:
+        """The end of a sharing save, before its commit (the writer calls it): the linked tensors (name, checksum
+        key, whether the writer hashed them again) confirmed to hold the linked bytes, :class:`NotShared` where one
+        does not (unless it changed only after the save was asked for); ``digests`` (the hashes just computed) get
+        the recorded ones of the linked tensors; a fresh ``.data`` (the open file ``data``) made read-only; and what
+        the save put there."""
+        changed = []
+        for name, key, hashed in linked:
+            if key not in digests:
+                continue
+            if hashed and digests[key] != self.digests.get(key) and (
+                    self.changed_since_asked is None or not self.changed_since_asked(name)):
+                changed.append(name)
+            digests[key] = self.digests.get(key, digests[key])
+        if changed:
+            raise NotShared(path, changed)
+        if data is not None:
+            with contextlib.suppress(OSError, NotImplementedError, AttributeError):
+                os.fchmod(data, 0o444)  # never written again: see the module's doc
+        inode = self.identity if is_link else identity(os.fstat(data))  # type: ignore[arg-type]
+        keys = [_checksums.param_key(n) for n in offsets]
+        return SavedData(is_link, inode, offsets,  # type: ignore[arg-type]
+                         {k: digests[k] for k in keys if k in digests}, layout)
 
 
 @dataclass(frozen=True)
@@ -77,29 +111,3 @@ class SharedTooLarge(NotShared):
     def __init__(self, path: str) -> None:
         super().__init__(path, [], "the checkpoint would pass 2 GiB with everything but the shared frozen tensors "
                                    "inline")
-
-
-def carried_out(shared: SharedFrozen, linked: list[tuple[str, str | None, bool]], digests: dict[str, int],
-                is_link: bool, data: int | None, offsets: dict[str, int],
-                layout: dict[str, tuple[int, tuple[int, ...], int]], path: str) -> SavedData:
-    """The end of a sharing save, before its commit: the linked tensors (name, checksum key, whether the writer hashed
-    them again) confirmed to hold the linked bytes, :class:`NotShared` where one does not (unless it changed only
-    after the save was asked for); ``digests`` (the hashes just computed) get the recorded ones of the linked tensors;
-    a fresh ``.data`` (the open file ``data``) made read-only; and what the save put there."""
-    changed = []
-    for name, key, hashed in linked:
-        if key not in digests:
-            continue
-        if hashed and digests[key] != shared.digests.get(key) and (
-                shared.changed_since_asked is None or not shared.changed_since_asked(name)):
-            changed.append(name)
-        digests[key] = shared.digests.get(key, digests[key])
-    if changed:
-        raise NotShared(path, changed)
-    if data is not None:
-        with contextlib.suppress(OSError, NotImplementedError, AttributeError):
-            os.fchmod(data, 0o444)  # never written again: see the module's doc
-    inode = shared.identity if is_link else identity(os.fstat(data))  # type: ignore[arg-type]
-    keys = [_checksums.param_key(n) for n in offsets]
-    return SavedData(is_link, inode, offsets, {k: digests[k] for k in keys if k in digests},  # type: ignore[arg-type]
-                     layout)
