@@ -127,7 +127,12 @@ def differences(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
 
 def described(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[str, str]]:
     """The differences with both values, as text (for a failing assertion or a rank's record)."""
-    return {key: (repr(before.get(key))[:600], repr(after.get(key))[:600]) for key in differences(before, after)}
+    def text(a: Any, b: Any) -> tuple[str, str]:
+        if isinstance(a, tuple) and isinstance(b, tuple):  # what went, what came
+            return repr([x for x in a if x not in b])[:600], repr([x for x in b if x not in a])[:600]
+        return repr(a)[:600], repr(b)[:600]
+
+    return {key: text(before.get(key), after.get(key)) for key in differences(before, after)}
 
 
 def cyclic_garbage() -> list[Any]:
