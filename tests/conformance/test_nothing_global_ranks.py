@@ -1,8 +1,9 @@
 """Nothing global (issue 40, point 1) in each rank of 2-rank runs (gloo on loopback, launched as users launch them):
 DDP, ModelParallel (FSDP2) and FSDP (FSDP1), sharded saves, sync and async. In each rank's process, a fit with
 Lightning's ``ModelCheckpoint`` first (the process group and torch's and Lightning's first-use state are made then),
-then, with the collector off, the snapshot of ``helpers.snapshot`` before and after a fit of ``OrtCheckpoint`` and its
-teardown: they must be the same (threads, open files and sockets, hooks, ``atexit`` callbacks, Lightning's classes).
+then, with the collector off, the snapshot of ``helpers.snapshot`` before and after a fit of ``ModelCheckpoint`` and
+one of ``OrtCheckpoint`` with its teardown: ours changes nothing the plain one does not (threads, open files and
+sockets, hooks, ``atexit`` callbacks, Lightning's classes).
 """
 
 from __future__ import annotations
@@ -42,12 +43,17 @@ out, kinds = sys.argv[1], sys.argv[2].split(",")
 warnings.simplefilter("ignore")
 found = {}
 for kind in kinds:
-    one(kind, False, os.path.join(out, kind, "plain"))
+    one(kind, False, os.path.join(out, kind, "warm-up"))
     gc.collect()
     gc.disable()
-    before = snapshot()
-    one(kind, True, os.path.join(out, kind, "ours"))
-    found[kind] = described(before, snapshot())
+    runs = {}
+    for name in ("plain", "ours"):  # what Lightning's own fit leaves (a device mesh's groups), then ours
+        before = snapshot()
+        one(kind, name == "ours", os.path.join(out, kind, name))
+        after = snapshot()
+        runs[name] = described(before, after)
+        runs[name + " files added"] = len(set(after["open files"]) - set(before["open files"]))
+    found[kind] = runs
     gc.enable()
 with open(os.path.join(out, f"differences{os.environ.get('LOCAL_RANK', '0')}.json"), "w") as f:
     json.dump(found, f)
@@ -69,5 +75,9 @@ def differences(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_fit_of_ours_leaves_each_rank_as_it_found_it(differences: list[dict[str, dict[str, list[str]]]],
                                                        kind: str) -> None:
+    """Ours leaves what a fit with ``ModelCheckpoint`` leaves: nothing, but under ModelParallel the groups of the
+    device mesh Lightning makes at every fit (its sockets and pipes)."""
     for rank, found in enumerate(differences):
-        assert found[kind] == {}, (rank, found[kind])
+        plain, ours = found[kind]["plain"], found[kind]["ours"]
+        assert set(ours) <= set(plain) <= {"open files"}, (kind, rank, ours, plain)
+        assert found[kind]["ours files added"] <= found[kind]["plain files added"], (kind, rank, ours, plain)
