@@ -168,6 +168,19 @@ def test_the_checkpoint_io_setter_is_still_wrapped(no_collector: None) -> None:
     del plugin
 
 
+def test_after_a_fit_the_setter_wrap_waits_for_the_collector(tmp_path: Path, no_collector: None) -> None:
+    """A plugin made by the user (alone) holds :data:`STILL_GLOBAL` until it is freed; after a fit, Lightning's own
+    reference cycles (the Trainer's, which hold its strategy, so the plugin) leave that to the collector: with the
+    collector off the wrap stays after ``del``, and one collection ends it. Fails once the wrap no longer waits."""
+    before = snapshot()
+    callbacks, plugins = _alone(str(tmp_path))()
+    trainer(callbacks, plugins).fit(Tiny(), data())
+    del callbacks, plugins
+    assert differences(before, snapshot()) == {key for key in STILL_GLOBAL if before[key] is not None}
+    gc.collect()
+    assert differences(before, snapshot()) == set()
+
+
 ON_CYCLES = {
     "lightning_ort_ckpt._plugin.OrtCheckpointIO": "its BackgroundSaves holds its bound _staged_sources",
     "lightning_ort_ckpt._async_saver.BackgroundSaves": "(on the plugin's cycle)",
