@@ -105,8 +105,12 @@ class ShardStager:
         return staged
 
     def close(self) -> None:
-        """Free the memory and remove the step hooks (after the last write; the plugin's ``teardown``)."""
+        """Free the memory, remove the step hooks and destroy the process group of the background writes (after the
+        last write; the plugin's ``teardown``): its sockets and threads are the fit's, not the process's."""
         self._memory.close()
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
 
 
 def stage_tree(stager: ShardStager, tree: Any) -> Any:

@@ -1,8 +1,12 @@
 """Nothing global (issue 40, point 1): every hook, wrap and registration of ours belongs to one Trainer (or Fabric, or
 call) and is gone at its teardown, deterministically: the garbage collector is off in these tests, so nothing may
-rely on it. A snapshot of the process state we could ever touch (Lightning's classes and module functions, compared
-by identity; torch's global optimizer hook registries; the threads) is taken before a configuration is made, after
-it is made (making one installs nothing), and after its fits and teardown; the three must be the same.
+rely on it. A snapshot of the process state we could ever touch (``helpers.snapshot``: Lightning's classes and module
+functions, compared by identity; torch's global optimizer and module hook registries; threads, open files, ``atexit``
+callbacks, live ``weakref.finalize`` callbacks, signal handlers, excepthooks) is taken before a configuration is made,
+after it is made (making one installs nothing), and after its fits and teardown; the three must be the same. Also:
+what is left after teardown and ``del`` for the collector (no object of ours on a reference cycle, but the ones
+named), no fork handler, 50 fits in a row, and a plain Trainer beside one of ours. The same snapshots in each rank of
+2-rank runs: test_nothing_global_ranks.py.
 
 One exception is left, named in :data:`STILL_GLOBAL` (and ARCHITECTURE.md, "What is global"): the ``checkpoint_io``
 setter of Lightning's base ``Strategy`` classes, wrapped while an ``OrtCheckpointIO`` made by the user exists, which
@@ -12,11 +16,11 @@ that is fixed, so that the exception goes too.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import resource
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,47 +32,9 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpoint, OrtCheckpointIO, _lightning_adapter
+from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.format._store import wait_for_cleanup
-
-_CONNECTORS = ("pytorch_lightning.trainer.connectors.checkpoint_connector",
-               "lightning.pytorch.trainer.connectors.checkpoint_connector")
-_STRATEGY_METHODS = ("checkpoint_io", "save_checkpoint", "load_checkpoint", "remove_checkpoint", "teardown",
-                     "process_dataloader")
-STILL_GLOBAL = {f"{module}.{name}.checkpoint_io" for module, name in _lightning_adapter.STRATEGY_CLASSES}
-"""What is still wrapped while an ``OrtCheckpointIO`` exists (issue 40, point 1a: not done yet)."""
-
-
-def snapshot() -> dict[str, Any]:
-    """Everything of Lightning's and torch's that a plugin or callback of ours could change for the whole process,
-    by name: compared by identity."""
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-
-    state: dict[str, Any] = {}
-    for module_name, name in _lightning_adapter.STRATEGY_CLASSES:
-        cls = getattr(sys.modules.get(module_name), name, None)
-        for attr in _STRATEGY_METHODS:
-            state[f"{module_name}.{name}.{attr}"] = cls.__dict__.get(attr) if cls is not None else None
-    for module_name in _CONNECTORS:
-        connector = getattr(sys.modules.get(module_name), "_CheckpointConnector", None)
-        state[f"{module_name}._parse_ckpt_path"] = connector.__dict__.get("_parse_ckpt_path") if connector else None
-    for module_name, attr in _lightning_adapter.LOADER_BINDINGS:
-        state[f"{module_name}.{attr}"] = getattr(sys.modules.get(module_name), attr, None)
-    state["DataLoader._get_iterator"] = DataLoader.__dict__["_get_iterator"]
-    state["ModelCheckpoint._find_last_checkpoints"] = ModelCheckpoint.__dict__["_find_last_checkpoints"]
-    state["torch global optimizer pre-hooks"] = tuple(_global_optimizer_pre_hooks.values())
-    state["torch global optimizer post-hooks"] = tuple(_global_optimizer_post_hooks.values())
-    state["threads"] = tuple(sorted((t.ident or 0, t.name) for t in threading.enumerate() if t.is_alive()))
-    return state
-
-
-def differences(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(a, tuple) and isinstance(b, tuple):
-            return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b))
-        return a is b
-
-    return {key for key in before.keys() | after.keys() if not same(before.get(key), after.get(key))}
+from helpers.snapshot import STILL_GLOBAL, cyclic_garbage, described, differences, ours_on_cycles, snapshot
 
 
 @pytest.fixture
@@ -93,6 +59,15 @@ class Tiny(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class Wider(Tiny):
+    """320 KiB of parameters (1 MiB with Adam's moments, as much again staged by an asynchronous save): a fit that
+    stays alive shows in the resident memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1 << 14)
 
 
 def data() -> DataLoader:
@@ -149,7 +124,7 @@ def test_a_trainer_of_ours_leaves_the_process_as_it_found_it(configuration: str,
     wait_for_cleanup()
     assert second.global_step == 8 and second.ckpt_path is not None and "ort-ckpt-last-" not in str(second.ckpt_path)
     after = snapshot()
-    assert differences(before, after) <= allowed, differences(before, after)
+    assert differences(before, after) <= allowed, described(before, after)
     for optimizer in first.optimizers + second.optimizers:  # nor a hook left on the fits' own optimizers
         assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
     for trained in (first, second):  # nor a checkpointing wrap left on the strategy instance, nor a callback added
@@ -193,28 +168,138 @@ def test_the_checkpoint_io_setter_is_still_wrapped(no_collector: None) -> None:
     del plugin
 
 
-def test_twenty_fits_in_a_row_grow_nothing(tmp_path: Path) -> None:
-    """20 fits of the callback in one process (async saves: a thread and staging memory each): no hook, thread or
-    wrap is left, even while the callbacks may still exist, and the resident memory stays within a generous bound
-    (no fit keeps its model alive)."""
-    def one(index: int) -> pl.Trainer:
-        fit = trainer([OrtCheckpoint(dirpath=tmp_path / str(index), every_n_train_steps=2, async_save=True)])
-        fit.fit(Tiny(), data())
-        return fit
-
-    one(-1)  # Lightning's and torch's own first-use allocations
-    wait_for_cleanup()
+def test_after_a_fit_the_setter_wrap_waits_for_the_collector(tmp_path: Path, no_collector: None) -> None:
+    """A plugin made by the user (alone) holds :data:`STILL_GLOBAL` until it is freed; after a fit, Lightning's own
+    reference cycles (the Trainer's, which hold its strategy, so the plugin) leave that to the collector: with the
+    collector off the wrap stays after ``del``, and one collection ends it. Fails once the wrap no longer waits."""
+    before = snapshot()
+    callbacks, plugins = _alone(str(tmp_path))()
+    trainer(callbacks, plugins).fit(Tiny(), data())
+    del callbacks, plugins
+    assert differences(before, snapshot()) == {key for key in STILL_GLOBAL if before[key] is not None}
     gc.collect()
-    before, rss = snapshot(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    for index in range(20):
-        fit = one(index)
+    assert differences(before, snapshot()) == set()
+
+
+ON_CYCLES = {
+    "lightning_ort_ckpt._plugin.OrtCheckpointIO": "its BackgroundSaves holds its bound _staged_sources",
+    "lightning_ort_ckpt._async_saver.BackgroundSaves": "(on the plugin's cycle)",
+    "lightning_ort_ckpt._staging.Stager": "its StagingMemory holds its bound _allocate",
+    "lightning_ort_ckpt._staging_memory.StagingMemory": "(on the Stager's cycle)",
+    "lightning_ort_ckpt._data_position.TrainData": "its unwrap closure holds the process_dataloader wrap, which holds "
+                                                   "its bound _watch",
+    "lightning_ort_ckpt._train_start.TrainStart": "its TrainData holds the plugin's arming closure (BackgroundSaves)",
+}
+CALLBACK_ON_A_CYCLE = ("lightning_ort_ckpt._callback.OrtCheckpoint", "its plugin's TrainData keeps, after teardown, "
+                       "the unwrap closure, which holds the strategy (so the Trainer, whose callbacks hold it)")
+"""Objects of ours still on reference cycles of their own after teardown (their memory and hooks are released at
+teardown; the empty shells wait for the collector): reported, not fixed yet."""
+
+
+def _lives(trained: pl.Trainer, module: pl.LightningModule, extra: list[Any]) -> dict[str, Any]:
+    import weakref
+
+    objects = {"trainer": trained, "strategy": trained.strategy, "module": module,
+               "optimizer": trained.optimizers[0], **{type(o).__name__: o for o in extra}}
+    return {name: weakref.ref(o) for name, o in objects.items()}
+
+
+@pytest.mark.parametrize("configuration", [*sorted(CONFIGURATIONS), "plain ModelCheckpoint"])
+def test_after_teardown_only_lightnings_cycles_keep_a_fit_alive(configuration: str, tmp_path: Path,
+                                                                no_collector: None) -> None:
+    """With the collector off, a fit and its teardown, then ``del``: Lightning's own reference cycles (the Trainer
+    and its loops, the module's ``_trainer``, ``callback.log``, which Lightning sets to the module's ``log`` on every
+    callback) keep the Trainer, strategy, module and optimizer alive, ours or not (the plain ``ModelCheckpoint``
+    run: the same). So: no object of ours lies on a reference cycle of its own (Lightning's ``callback.log`` left
+    out), but for :data:`ON_CYCLES`; and one collection frees all of it (nothing global holds any of it)."""
+    if configuration == "plain ModelCheckpoint":
+        callbacks, plugins = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)], []
+    else:
+        callbacks, plugins = CONFIGURATIONS[configuration](tmp_path)()
+    module, trained = Tiny(), trainer(callbacks, plugins)
+    trained.fit(module, data())
+    wait_for_cleanup()
+    lives = _lives(trained, module, callbacks + plugins)
+    for attr in ("log", "log_dict"):  # Lightning's back-references to the module, on every callback
+        [vars(callback).pop(attr, None) for callback in trained.callbacks]
+    del trained, module, callbacks, plugins
+    garbage = cyclic_garbage()
+    on_cycles = ours_on_cycles(garbage)
+    del garbage
+    gc.collect()
+    alive = [name for name, ref in lives.items() if ref() is not None]
+    expected = set(ON_CYCLES) | ({CALLBACK_ON_A_CYCLE[0]} if configuration.startswith("callback") else set())
+    assert set(on_cycles) == (expected if configuration != "plain ModelCheckpoint" else set()), (on_cycles, alive)
+    assert alive == []
+
+
+def test_no_fork_handler_of_ours_and_none_runs_in_a_child(tmp_path: Path) -> None:
+    """``os.register_at_fork`` has no query: the package's source names it nowhere, and a child forked after a fit
+    (async saves: threads, staging memory) runs no code of ours, neither at the fork (the profiler sees every Python
+    call there) nor at its exit (its ``atexit`` callbacks: the parent's, inherited)."""
+    import lightning_ort_ckpt
+
+    package = Path(lightning_ort_ckpt.__file__).parent
+    assert [p for p in package.rglob("*.py") if "register_at_fork" in p.read_text()] == []
+    trained = trainer([OrtCheckpoint(dirpath=tmp_path, every_n_train_steps=2, async_save=True)])
+    trained.fit(Tiny(), data())
+    wait_for_cleanup()
+    ran: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(str(package)):
+            ran.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    read, write = os.pipe()
+    sys.setprofile(profile)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its atexit callbacks (the parent's), then say what of ours ran
+            import atexit
+
+            atexit._run_exitfuncs()
+            os.write(write, repr(ran).encode())
+            os._exit(0)
+    finally:
+        sys.setprofile(None)
+    os.close(write)
+    with os.fdopen(read) as reader:
+        child = reader.read()
+    assert os.waitpid(pid, 0)[1] == 0
+    assert ran == [] and child == "[]", (ran, child)
+
+
+def test_fifty_fits_in_a_row_grow_nothing(tmp_path: Path) -> None:
+    """50 fits in one process, in turn the callback (async saves: a thread and staging memory each), the plugin +
+    ``BindCheckpointIO`` and the plugin alone: after 10 warm-up fits, the next 40 leave the hooks, threads, files
+    and everything else of the snapshot as they were, and the resident memory within 8 MiB (a fit of :class:`Wider`
+    kept alive, its module, optimizer state or staging memory, adds 3-6 MiB: 40 of them, 120 MiB and more; the leak
+    of issue 40 was 40-80 MiB a fit)."""
+    kinds = [lambda i: _callback(str(tmp_path / str(i)), async_save=True)(), lambda i: _bound(str(tmp_path / str(i)))(),
+             lambda i: _alone(str(tmp_path / str(i)))()]
+    figures = []
+    for index in range(50):
+        fit = trainer(*kinds[index % 3](index))
+        fit.fit(Wider(), data())
         assert all(not o._optimizer_step_pre_hooks and not o._optimizer_step_post_hooks for o in fit.optimizers)
         del fit
-    wait_for_cleanup()
-    assert differences(before, snapshot()) == set()
+        if index >= 9:
+            wait_for_cleanup()
+            figures.append(_resident_mib())
+        if index == 9:
+            before = snapshot()
+    assert differences(before, snapshot()) <= STILL_GLOBAL, described(before, snapshot())
+    grown = [round(f - figures[0], 1) for f in figures[1:]]
+    print(f"resident memory over the last 40 fits, MiB: {grown}")
+    assert grown[-1] < 8, grown
+
+
+def _resident_mib() -> float:
+    """The resident memory after a collection, with the memory malloc holds free handed back to the system."""
     gc.collect()
-    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024  # KiB on Linux
-    assert grown_mib < 200, grown_mib
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def _plain_run(where: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -281,3 +281,7 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
     for param, moments in a["optim"]["state"].items():
         for m, t in moments.items():
             assert torch.equal(t, b["optim"]["state"][param][m]), (where, param, m)
+
+
+DEFINITIONS = SCRIPT[:SCRIPT.index("\nout, steps = ")]
+"""The script's module, strategies and ``fit`` without its main part: for scripts of other tests to build on."""

@@ -1,0 +1,83 @@
+"""Nothing global (issue 40, point 1) in each rank of 2-rank runs (gloo on loopback, launched as users launch them):
+DDP, ModelParallel (FSDP2) and FSDP (FSDP1), sharded saves, sync and async. In each rank's process, a fit with
+Lightning's ``ModelCheckpoint`` first (the process group and torch's and Lightning's first-use state are made then),
+then, with the collector off, the snapshot of ``helpers.snapshot`` before and after a fit of ``ModelCheckpoint`` and
+one of ``OrtCheckpoint`` with its teardown: ours changes nothing the plain one does not (threads, open files and
+sockets, hooks, ``atexit`` callbacks, Lightning's classes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers.launching import launch_script
+from helpers.sharded import DEFINITIONS
+
+KINDS = ("ddp", "ddp-async", "mp-sharded", "mp-sharded-async", "fsdp-sharded", "fsdp-sharded-async")
+MAIN = r'''
+import gc
+from pytorch_lightning.callbacks import ModelCheckpoint
+from helpers.snapshot import described, snapshot
+from lightning_ort_ckpt.format._store import wait_for_cleanup
+
+
+def one(kind, ours, where):
+    pl.seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=g)
+    y = torch.sin(x).sum(1, keepdim=True)
+    cb = (OrtCheckpoint(where, every_n_train_steps=2, async_save=kind.endswith("-async")) if ours
+          else ModelCheckpoint(where, every_n_train_steps=2))
+    trainer = pl.Trainer(max_steps=4, strategy="ddp" if kind.startswith("ddp") else strategy(kind, 2), devices=2,
+                         accelerator="cpu", logger=False, callbacks=[cb], num_sanity_val_steps=0,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Net(kind.startswith("mp")), DataLoader(TensorDataset(x, y), batch_size=4))
+    wait_for_cleanup()
+
+
+out, kinds = sys.argv[1], sys.argv[2].split(",")
+warnings.simplefilter("ignore")
+found = {}
+for kind in kinds:
+    one(kind, False, os.path.join(out, kind, "warm-up"))
+    gc.collect()
+    gc.disable()
+    runs = {}
+    for name in ("plain", "ours"):  # what Lightning's own fit leaves (a device mesh's groups), then ours
+        before = snapshot()
+        one(kind, name == "ours", os.path.join(out, kind, name))
+        after = snapshot()
+        runs[name] = described(before, after)
+        runs[name + " files added"] = len(set(after["open files"]) - set(before["open files"]))
+    found[kind] = runs
+    gc.enable()
+with open(os.path.join(out, f"differences{os.environ.get('LOCAL_RANK', '0')}.json"), "w") as f:
+    json.dump(found, f)
+'''
+
+
+@pytest.fixture(scope="module")
+def differences(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, list[str]]]]:
+    """One launch, every kind in turn; each rank's differences, by kind."""
+    tmp_path = tmp_path_factory.mktemp("ranks")
+    script = tmp_path / "train.py"
+    script.write_text(DEFINITIONS + MAIN)
+    tests = Path(__file__).parents[1]
+    launch_script(script, [str(tmp_path), ",".join(KINDS)], "the 2-rank snapshots", 1200,
+                  PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    return [json.loads((tmp_path / f"differences{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fit_of_ours_leaves_each_rank_as_it_found_it(differences: list[dict[str, dict[str, list[str]]]],
+                                                       kind: str) -> None:
+    """Ours leaves what a fit with ``ModelCheckpoint`` leaves: nothing, but under ModelParallel the groups of the
+    device mesh Lightning makes at every fit (its sockets and pipes)."""
+    for rank, found in enumerate(differences):
+        plain, ours = found[kind]["plain"], found[kind]["ours"]
+        assert set(ours) <= set(plain) <= {"open files"}, (kind, rank, ours, plain)
+        assert found[kind]["ours files added"] <= found[kind]["plain files added"], (kind, rank, ours, plain)
