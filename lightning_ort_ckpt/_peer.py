@@ -5,10 +5,11 @@ sent to a partner rank, on another node where there is one (``node_rank`` apart:
 ``(r + devices) % world_size``; on one node, to the next rank), over a gloo process group of its own (made at the
 fast tier's ``setup``, destroyed at the end of the fit), and the partner commits it in its fast folder under
 ``peer-of-rank<r>/``, with the store's atomic commit, every checksum verified, keeping as many as the fast tier keeps.
-The exchange runs where the plugin's saves run (its background thread with ``async_save=True``), after the save is
-committed; it is one symmetric step (every rank sends its files of the step, maybe none, to its partner and receives
-its own peer's), posted by every rank in the same order of steps, so it cannot deadlock; the group's timeout bounds
-a rank that never comes.
+The plugin's executor hands each save's exchange, once the save is committed, to a thread of the fast tier's own, so
+that saves never wait for copies; the exchange is one symmetric step (every rank sends its file of the step, maybe
+none, to its partner and receives its own peer's), taken by every rank in the same order of steps, so it cannot
+deadlock; the group's timeout bounds a rank that never comes. A copy that falls behind by more than ``keep`` saves
+finds the file rotated out and sends nothing: the cost stays bounded, and the newest steps are copied.
 
 At ``setup``, before "last" is read: every rank says (one all-gather) the newest step in its fast folder and the
 newest peer copy it holds; a rank whose partner holds a newer step than its own folder gets it back over the group
@@ -19,6 +20,7 @@ this version; the sharded strategies' folders are not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from datetime import timedelta
 from typing import Any, BinaryIO
 
 from . import _registry
+from ._async_saver import BackgroundQueue
 from .errors import CorruptCheckpointError
 from .format import data_path, open_checkpoint
 from .format._store import Store
@@ -52,20 +55,28 @@ class Peers:
         self.layout = (trainer.num_devices, trainer.num_nodes)  # devices per node, nodes
         self.partner, self.source = partners(self.rank, self.world_size, *self.layout)
         self.group: Any = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        self.queue = BackgroundQueue()  # the exchanges, in the order of the saves
 
     def close(self) -> None:
-        """Let go of the group (every exchange has run: the caller waited for the plugin's queue)."""
-        if self.group is not None:
-            import torch.distributed as dist
+        """Run the exchanges handed over (the caller waited for the plugin's queue first), stop the thread, let go
+        of the group; then raise the first error of an exchange."""
+        import torch.distributed as dist
 
-            group, self.group = self.group, None
-            dist.destroy_process_group(group)
+        self.queue.close()
+        dist.destroy_process_group(self.group)
+        error = self.queue.take_error()
+        if error is not None:
+            raise error
 
     # -- after a save -----------------------------------------------------------------------------------------
+    def hand_off(self, path: str, writes: bool) -> None:
+        """The save of ``path`` is committed (called where the plugin's saves run): its exchange, on our thread."""
+        self.queue.submit(self.replicate, path, writes)
+
     def replicate(self, path: str, writes: bool) -> None:
-        """Send this rank's committed fast file ``path`` (``writes``: this rank wrote it) to the partner, and commit
-        the one the source sends (run after the save, where the plugin's saves run, on every rank alike)."""
-        mine = [path] if writes and self.store.exists(path) else []
+        """Send this rank's fast file ``path`` (``writes``: this rank wrote it), where it is still there, to the
+        partner, and commit the one the source sends (every rank alike, in the order of the saves)."""
+        mine = [path] if writes else []
         self._exchange(to=self.partner, frm=self.source, outgoing=mine,
                        folder=self.store.join(self.dirpath, f"{PEER_PREFIX}{self.source}"))
 
@@ -97,10 +108,14 @@ class Peers:
     def _exchange(self, to: int, frm: int, outgoing: list[str], folder: str) -> None:
         """One symmetric step: ``outgoing`` (checkpoint files, each with its ``.data``) to ``to``, while the files
         ``frm`` sends are committed into ``folder``, every checksum verified (a damaged copy is removed)."""
-        sending = [(p, [(f, os.path.getsize(f)) for f in (p, data_path(p)) if os.path.exists(f)]) for p in outgoing]
-        header = {"files": [[os.path.basename(p), [size for _, size in parts]] for p, parts in sending]}
-        incoming = self._swap(to, frm, header)["files"]
-        chunks_out = _chunks([f for _, parts in sending for f, _ in parts])
+        with contextlib.ExitStack() as opened:
+            sending = [(os.path.basename(p), files) for p in outgoing if (files := opened_pair(p, opened))]
+            header = {"files": [[name, [os.fstat(f.fileno()).st_size for f in files]] for name, files in sending]}
+            incoming = self._swap(to, frm, header)["files"]
+            self._stream(_chunks([f for _, files in sending for f in files]), incoming, to, frm, folder)
+
+    def _stream(self, chunks_out: Iterator[Any], incoming: list[Any], to: int, frm: int, folder: str) -> None:
+        """Our chunks out while the files ``incoming`` names come in, each committed into ``folder``."""
         for name, sizes in incoming:
             target = self.store.join(folder, name)
             if folder != self.dirpath:
@@ -177,12 +192,25 @@ def _pieces(size: int) -> Iterator[Any]:
         yield torch.empty(min(_CHUNK, size - start), dtype=torch.uint8)
 
 
-def _chunks(paths: list[str]) -> Iterator[Any]:
-    """The bytes of ``paths``, one after the other, a chunk at a time (the pieces the receiver expects)."""
+def opened_pair(path: str, stack: contextlib.ExitStack) -> list[BinaryIO]:
+    """The checkpoint ``path`` and its ``.data`` where it has one, open (a rotation deleting them now cannot take
+    bytes the partner was told of); none where the checkpoint is gone already."""
+    files: list[BinaryIO] = []
+    for name in (path, data_path(path)):
+        try:
+            files.append(stack.enter_context(open(name, "rb")))
+        except FileNotFoundError:
+            if name == path:
+                return []
+            break
+    return files
+
+
+def _chunks(files: list[BinaryIO]) -> Iterator[Any]:
+    """The bytes of ``files``, one after the other, a chunk at a time (the pieces the receiver expects)."""
     import torch
 
-    for path in paths:
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                yield torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+    for f in files:
+        while chunk := f.read(_CHUNK):
+            yield torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
 

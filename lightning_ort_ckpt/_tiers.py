@@ -213,8 +213,8 @@ class FastTier:
         if not (promoting and _lightning_adapter.last_step_saved(callback) == step != before):
             trainer.save_checkpoint(path, weights_only=False)
         self.saved_step = trainer.global_step
-        if self.peers is not None:  # after the save is committed, where the plugin's saves run (_peer)
-            callback.checkpoint_io.run_in_order(self.peers.replicate, path, trainer.is_global_zero)
+        if self.peers is not None:  # once the save is committed (where the plugin's saves run), to the peers' thread
+            callback.checkpoint_io.run_in_order(self.peers.hand_off, path, trainer.is_global_zero)
         for old in self.ledger.release(()):  # deleted after the new file is durable (the plugin runs both in order)
             trainer.strategy.remove_checkpoint(old)
 
