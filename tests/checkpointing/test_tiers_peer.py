@@ -7,7 +7,8 @@ partner, rank 1, holds verified copies of both in ``fast1/peer-of-rank0/``. Then
 rank 0 replaced) and fit 2 resumes with ``ckpt_path="last"``: rank 0 takes step 6 back from rank 1 over the process
 group, resumes from it in its own fast folder, and ends bit for bit where an uninterrupted fit of 8 steps ends,
 without a single GET of an object from the persistent store. With ``peer=False`` no process group is made, and none
-made for the copies, nor any thread, outlives the fit.
+made for the copies, nor any thread, outlives the fit. With one process there is no partner: a warning, and the
+fast tier saves as without peer copies.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import Any
 import fsspec
 import pytest
 
+from helpers.fits import files_after_fit, fit
 from helpers.launching import launch_script
-from lightning_ort_ckpt import LocalTier, load_checkpoint
-from lightning_ort_ckpt.errors import CheckpointConfigError
+from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
+from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
 
 SCRIPT = r'''
 import json, os, sys, threading, warnings
@@ -159,3 +161,11 @@ def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_st
 def test_peer_must_be_a_bool(tmp_path: Path) -> None:
     with pytest.raises(CheckpointConfigError, match="LocalTier.peer"):
         LocalTier(tmp_path, peer="yes")  # type: ignore[arg-type]
+
+
+def test_one_process_warns_and_saves_as_without_peer_copies(tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    tier = LocalTier(fast, every_n_train_steps=2, keep=2, peer=True)
+    with pytest.warns(CheckpointWarning, match="no partner rank"):
+        fit(OrtCheckpoint(tmp_path / "persistent", every_n_train_steps=4, save_top_k=-1, local=tier), 2)
+    assert files_after_fit(fast) == {"step=6.ckpt", "step=8.ckpt"}  # and no peer folder
