@@ -81,11 +81,12 @@ class Peers:
                        folder=self.store.join(self.dirpath, f"{PEER_PREFIX}{self.source}"))
 
     # -- at setup ---------------------------------------------------------------------------------------------
-    def restore(self) -> bool:
-        """Take back from the partner the copy of a step newer than any in this rank's own fast folder; True where
-        any rank took one (the same answer on every rank)."""
+    def restore(self) -> None:
+        """Take back from the partner the copy of a step newer than any in this rank's own fast folder (every rank
+        alike: one all-gather of what each holds, then one exchange)."""
+        own = self._newest(self.dirpath)
         held = self._newest(self.store.join(self.dirpath, f"{PEER_PREFIX}{self.source}"))
-        reports = self._gather({"own": self._newest(self.dirpath), "held": held and held[0]})
+        reports = self._gather({"own": own and own[0], "held": held and held[0]})
 
         def needs(rank: int) -> bool:
             copy = reports[partners(rank, self.world_size, *self.layout)[0]]["held"]
@@ -93,7 +94,6 @@ class Peers:
 
         outgoing = [held[1]] if held and needs(self.source) else []
         self._exchange(to=self.source, frm=self.partner, outgoing=outgoing, folder=self.dirpath)
-        return any(needs(rank) for rank in range(self.world_size))
 
     def _newest(self, folder: str) -> tuple[int, str] | None:
         """(step, path) of the newest committed checkpoint file in ``folder``, or None."""

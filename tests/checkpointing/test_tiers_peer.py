@@ -94,6 +94,7 @@ if PHASE == "first":
     fit("fast-fit", 6, peer=True)
 else:
     fit("fast-resume", 8, peer=True, ckpt_path="last")
+    fit("fast-again", 10, peer=True, ckpt_path="last")  # nothing wiped: each rank's folder as it was left
 '''
 
 
@@ -154,8 +155,12 @@ def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_st
     for rank in (0, 1):
         assert record(tmp_path, "fast-resume", rank)["start"] == 6
         assert record(tmp_path, "fast-resume", rank)["weights"] == record(tmp_path, "reference", rank)["weights"]
-    assert sorted(p.name for p in fast0.iterdir()) == ["step=7.ckpt", "step=8.ckpt"]
-    assert sorted(p.name for p in copies.iterdir()) == ["step=7.ckpt", "step=8.ckpt"]
+    # and nothing wiped: the fast tier and its copies as they were (nothing to take back), "last" the fast step 8
+    again = record(tmp_path, "fast-again", 0)
+    assert (again["start"], again["ckpt_path"], again["end"]) == (8, str(fast0 / "step=8.ckpt"), 10)
+    assert record(tmp_path, "fast-again", 1)["start"] == 8
+    assert sorted(p.name for p in fast0.iterdir()) == ["step=10.ckpt", "step=9.ckpt"]
+    assert sorted(p.name for p in copies.iterdir()) == ["step=10.ckpt", "step=9.ckpt"]
 
 
 def test_peer_must_be_a_bool(tmp_path: Path) -> None:
