@@ -102,9 +102,9 @@ def main() -> None:
                 times[how].append(seconds)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         median = {k: statistics.median(v) for k, v in times.items()}
+        rounds = ", ".join(f"{t:.2f}" for t in times["peer"])
         print(f"{args.params_m:g}M parameters, {args.steps} steps, 2 ranks (DDP, gloo), fast tier every step, "
-              f"async_save=True; median of {args.rounds} rounds (each: {', '.join(f'{t:.2f}' for t in times['peer'])} s "
-              "with peer copies)")
+              f"async_save=True; median of {args.rounds} rounds (each: {rounds} s with peer copies)")
         for how in kinds:
             print(f"  {how:>5}: {median[how]:.2f} s")
         print(f"  peer / fast tier alone: {median['peer'] / median['fast']:.3f}x; "
