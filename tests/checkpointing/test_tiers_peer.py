@@ -6,7 +6,8 @@ the fast tier every step (``keep=2``, ``async_save=True``): rank 0 writes steps 
 partner, rank 1, holds verified copies of both in ``fast1/peer-of-rank0/``. Then ``fast0`` is emptied (the node of
 rank 0 replaced) and fit 2 resumes with ``ckpt_path="last"``: rank 0 takes step 6 back from rank 1 over the process
 group, resumes from it in its own fast folder, and ends bit for bit where an uninterrupted fit of 8 steps ends,
-without a single GET of an object from the persistent store. With ``peer=False`` no process group is made, and none
+without a single GET of an object from the persistent store; so does a resume with rank 1's folder emptied instead
+(it held only rank 0's copies, which it holds again after). With ``peer=False`` no process group is made, and none
 made for the copies, nor any thread, outlives the fit. With one process there is no partner: a warning, and the
 fast tier saves as without peer copies; a sharded strategy (ModelParallel) with ``peer=True`` is refused at setup on
 every rank.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +122,11 @@ if PHASE == "first":
     fit("off-fit", 6, peer=False)
     fit("fast-fit", 6, peer=True)
     refused_under_a_sharded_strategy()
-else:
+elif PHASE == "resume":
     fit("fast-resume", 8, peer=True, ckpt_path="last")
     fit("fast-again", 10, peer=True, ckpt_path="last")  # nothing wiped: each rank's folder as it was left
+else:
+    fit("fast-partner", 12, peer=True, ckpt_path="last")
 '''
 
 
@@ -192,6 +196,17 @@ def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_st
     assert record(tmp_path, "fast-again", 1)["start"] == 8
     assert sorted(p.name for p in fast0.iterdir()) == ["step=10.ckpt", "step=9.ckpt"]
     assert sorted(p.name for p in copies.iterdir()) == ["step=10.ckpt", "step=9.ckpt"]
+
+    # rank 1's node replaced instead: it held only rank 0's copies; rank 0 resumes from its own fast tier, reading
+    # no object, and rank 1 holds copies again
+    shutil.rmtree(fast1)
+    fast1.mkdir()
+    proxy.requests.clear()
+    launch_script(script, [str(tmp_path), "partner", proxy.url, bucket], "the resume with the partner wiped", 900)
+    assert _object_reads(proxy.requests) == [], proxy.requests
+    partner = record(tmp_path, "fast-partner", 0)
+    assert (partner["start"], partner["ckpt_path"], partner["end"]) == (10, str(fast0 / "step=10.ckpt"), 12)
+    assert sorted(p.name for p in copies.iterdir()) == ["step=11.ckpt", "step=12.ckpt"]
 
 
 def test_peer_must_be_a_bool(tmp_path: Path) -> None:
