@@ -146,9 +146,11 @@ class OrtCheckpointMixin(_Base):
         self.checkpoint_io.bind(trainer.strategy)
         if self.checkpoint_io.storage_options is not None and not self._store().local:
             _lightning_adapter.set_checkpoint_filesystem(self, str(self.dirpath), self.checkpoint_io.storage_options)
+        self._tier.setup(trainer, stage)  # first: a peer copy taken back there is "last"'s to find (_peer)
+        if self._tier.reads_last_at_setup(trainer) and self._resumption.choice is not None:
+            _resolve_again(self, trainer)
         _agree_on_last(self, trainer, stage)
         _loggers.check_loggers(trainer)
-        self._tier.setup(trainer, stage)
 
     @property
     def include_optimizer_state(self) -> bool:
@@ -178,6 +180,7 @@ class OrtCheckpointMixin(_Base):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         _forget_last(self)
+        self._tier.close(self.checkpoint_io.wait)  # (the peer copies' exchanges run in the plugin's queue)
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns (and exports)
         _loggers.log_whole_units(trainer, self, finishing=True)  # what loggers log at finalize, after teardown
         super().teardown(trainer, pl_module, stage)
@@ -195,6 +198,7 @@ class OrtCheckpointMixin(_Base):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         with self._tier.around_saves(trainer, self, exception):
             super().on_exception(trainer, pl_module, exception)
+        self._tier.close(self.checkpoint_io.wait)  # (Lightning calls no teardown after an exception)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         with self._in(Hook.EPOCH_END, trainer):
@@ -291,17 +295,19 @@ class OrtCheckpointMixin(_Base):
         """Lightning's question for "last", whose answers it dates: :meth:`resolve_last` (:func:`_datable`)."""
         return {_datable(self, found)} if (found := self.resolve_last(trainer)) else set()
 
-    def resolve_last(self, trainer: Any) -> str | None:
-        """What ``ckpt_path="last"`` resumes from (``_resume``)."""
+    def resolve_last(self, trainer: Any, *, at_setup: bool = False) -> str | None:
+        """What ``ckpt_path="last"`` resumes from (``_resume``). With peer copies, nothing is read before
+        ``setup`` (``at_setup``): the listing's newest, then the choice again once the copies are back."""
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
         entries = _registry.scan(directory, self._store(directory), self.checkpoint_io.storage_options,
                                  extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,  # sub-folders
                                  recursive="/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST) if directory else []
         rank_zero = trainer.global_rank == 0
-        if rank_zero:
+        if rank_zero and not at_setup:
             self._preservation.take_half(entries)
         entries = self._tier.nearest_first(entries, trainer)  # every tier's, nearest first (_tiers)
-        return self._resumption.find(entries, str(directory), rank_zero=rank_zero, alone=trainer.world_size == 1,
+        reads = rank_zero and (at_setup or not self._tier.reads_last_at_setup(trainer))
+        return self._resumption.find(entries, str(directory), rank_zero=reads, alone=trainer.world_size == 1,
                                      io=bound_plugin(trainer) or self.checkpoint_io,
                                      storage_options=self.checkpoint_io.storage_options,
                                      module=trainer.lightning_module)
@@ -388,6 +394,28 @@ def _agree_on_last(callback: OrtCheckpointMixin, trainer: Any, stage: str) -> No
         _ranks.all_ranks(trainer), str(dirpath), lambda path: _lightning_adapter.set_resumed_path(trainer, path)))
     if fallback is not None:
         _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
+
+
+def _resolve_again(callback: OrtCheckpointMixin, trainer: Any) -> None:
+    """With peer copies (``_peer``), "last" once they are back: rank 0 reads its candidates now, and where that
+    changes a rank's choice, the Trainer's load goes to the new one. Every rank raises, or none."""
+    before = callback._resumption.choice.path if callback._resumption.choice else None
+    found = callback.resolve_last(trainer, at_setup=True)
+    stranded = trainer.is_global_zero and before is None and found is not None
+    if trainer.strategy.reduce_boolean_decision(stranded, all=False):  # Lightning loads nothing: say so
+        raise CheckpointError('ckpt_path="last" found no checkpoint before the peer copies were taken back into the '
+                              "fast tier: run the same fit again to resume from them", str(callback.dirpath))
+    if found is None or found == before:
+        return
+
+    def to_found(load: Callable[[str], Any]) -> Callable[[str], Any]:
+        def load_found(path: str) -> Any:
+            loaded = load(found)
+            _lightning_adapter.set_resumed_path(trainer, found)
+            return loaded
+        return load_found
+
+    _lightning_adapter.wrap_next_load(trainer.strategy, to_found)
 
 
 def _own_plugin(plugin_class: type[OrtCheckpointIOMixin], settings: dict[str, Any]) -> OrtCheckpointIOMixin:

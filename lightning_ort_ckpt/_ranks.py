@@ -1,10 +1,10 @@
 """Rank agreement at ``setup``: every rank sees one ``dirpath``, and every rank resumes from what rank 0 resolved.
 
-Rank 0 writes a marker file (a random token) in ``dirpath`` when fitting; every rank must read it back. Rank 0's
-``ckpt_path="last"`` choice is broadcast with it, and each rank says whether it can follow it (``adopt``). Every
-rank calls the same two collectives (one broadcast, one all-gather), whatever it finds, and every rank raises the
-same error: a rank that raised alone would leave the others waiting in the next collective until the process group
-times out.
+Rank 0 writes a marker file named by a random token in ``dirpath`` when fitting; every rank must find it (by its name:
+a HEAD on a store, no object of ``dirpath`` read). Rank 0's ``ckpt_path="last"`` choice is broadcast with it, and
+each rank says whether it can follow it (``adopt``). Every rank calls the same two collectives (one broadcast, one
+all-gather), whatever it finds, and every rank raises the same error: a rank that raised alone would leave the others
+waiting in the next collective until the process group times out.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def agree(trainer: Any, dirpath: str | None, store: Store, writing: bool, mine: 
         except (CheckpointError, OSError) as e:
             problem, marker = f"rank 0 cannot write in dirpath {dirpath!r} ({e})", None
     marker, token, problem, last = strategy.broadcast((marker, token, problem, mine), src=0)
-    seen = marker is None or store.read_head(marker, len(token)) == token.encode()
+    seen = marker is None or store.exists(marker)  # its name is the random token: no object of dirpath is read
     agrees = adopt(last)
     flags = strategy.all_gather(torch.tensor([int(seen), int(agrees), trainer.node_rank],
                                              device=strategy.root_device)).reshape(-1, 3).tolist()

@@ -12,6 +12,8 @@ persistent save on a step the fast tier is due at is written once, there, and co
 the fast tier, ``dirpath`` and the SLURM ``hpc_ckpt_N.ckpt`` files of the Trainer's ``default_root_dir``, merged
 newest step first, the fast tier first among equal steps; ``_resume`` then reads them in that order until one
 resumes, so a valid fast tier is the only one read, and a damaged or wiped one falls back to the next tier.
+With ``peer=True`` each fast save is also copied to a partner rank's fast folder, and a wiped folder is filled again
+from there at ``setup``, before "last" reads anything (``_peer``).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import _lightning_adapter, _registry, _strategies
+from ._peer import Peers
 from ._retention import Ledger
-from .errors import CheckpointConfigError
+from .errors import CheckpointConfigError, CheckpointWarning
 from .format._store import Store, local_path, store_for
 
 _STEP_IN_NAME = re.compile(r"(?:^|[-_])step=(\d+)")  # ModelCheckpoint's "{step}" in a file name
@@ -40,11 +44,14 @@ class LocalTier:
         dirpath: a node-local folder (``/dev/shm/run``, a local NVMe disk), not ``OrtCheckpoint``'s ``dirpath``.
         every_n_train_steps: save there every this many optimizer steps (1: every step).
         keep: how many of its newest checkpoints it keeps (older ones are deleted once a newer one is durable).
+        peer: also copy each save to a partner rank's fast folder (on another node where there is one), from where
+            a rank whose folder was wiped takes it back (``_peer``). Full-state saves only (DDP, one device).
     """
 
     dirpath: str | os.PathLike[str]
     every_n_train_steps: int = 1
     keep: int = 2
+    peer: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dirpath, (str, os.PathLike)):
@@ -56,6 +63,8 @@ class LocalTier:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CheckpointConfigError(f"LocalTier.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.peer, bool):
+            raise CheckpointConfigError(f"LocalTier.peer must be True or False, got {self.peer!r}")
 
 
 class Promoter(Protocol):
@@ -77,6 +86,12 @@ class NoTier:
     """Without ``local=``: nothing changes."""
 
     def setup(self, trainer: Any, stage: str) -> None:
+        pass
+
+    def reads_last_at_setup(self, trainer: Any) -> bool:
+        return False
+
+    def close(self, wait: Callable[[], None]) -> None:
         pass
 
     def around_saves(self, trainer: Any, callback: Saver,
@@ -110,19 +125,44 @@ class FastTier:
         self.store: Store = store_for(self.dirpath)
         self.ledger = Ledger(options.keep)
         self.saved_step: int | None = None  # the step of its newest save in this fit
+        self.peers: Peers | None = None  # this fit's exchanges of peer copies (``peer=True``, several ranks)
 
     def setup(self, trainer: Any, stage: str) -> None:
-        """A new fit: the folder made (on every node), and on rank 0 the checkpoints already there handed to
-        retention, oldest step first, so that this fit's saves rotate them out."""
+        """A new fit: the folder made (on every node), a wiped one filled from the partner's peer copy, and on rank
+        0 the checkpoints there handed to retention, oldest step first, so that this fit's saves rotate them out."""
         if stage != "fit":
             return
         os.makedirs(self.dirpath, exist_ok=True)
         self.ledger, self.saved_step = Ledger(self.options.keep), None
+        if self.reads_last_at_setup(trainer):
+            if _strategies.kind(trainer.strategy) is not None:
+                raise CheckpointConfigError("LocalTier(peer=True) copies full-state saves (DDP, one device) in this "
+                                            "version, not the folders of a sharded strategy: pass peer=False")
+            self.peers = Peers(self.dirpath, self.store, self.options.keep, self.extension, trainer)
+            self.peers.restore()
+        elif self.options.peer and trainer.is_global_zero:
+            warnings.warn("LocalTier(peer=True) with one process: there is no partner rank to copy to; the fast "
+                          "tier saves as without it", CheckpointWarning, stacklevel=2)
         if trainer.is_global_zero:
             entries = self.entries()
             for entry in sorted(_registry.committed(entries), key=lambda e: (e.step is not None, e.step or 0)):
                 self.ledger.saving(entry.path)
             self.ledger.waiting.update(e.path for e in _registry.half(entries))
+
+    def reads_last_at_setup(self, trainer: Any) -> bool:
+        """With peer copies, a rank's newest step may be on its partner until ``setup`` takes it back: "last" is
+        read then (Lightning asks before the process group is up), not before."""
+        return self.options.peer and trainer.world_size > 1
+
+    def close(self, wait: Callable[[], None]) -> None:
+        """The end of the fit: once ``wait`` (the plugin's) has run every queued exchange, the peers' group let go
+        of, also where ``wait`` raises."""
+        if self.peers is not None:
+            peers, self.peers = self.peers, None
+            try:
+                wait()
+            finally:
+                peers.close()
 
     def entries(self) -> list[_registry.Entry]:
         return _registry.scan(self.dirpath, self.store, extension=self.extension)
@@ -173,6 +213,8 @@ class FastTier:
         if not (promoting and _lightning_adapter.last_step_saved(callback) == step != before):
             trainer.save_checkpoint(path, weights_only=False)
         self.saved_step = trainer.global_step
+        if self.peers is not None:  # once the save is committed (where the plugin's saves run), to the peers' thread
+            callback.checkpoint_io.run_in_order(self.peers.hand_off, path, trainer.is_global_zero)
         for old in self.ledger.release(()):  # deleted after the new file is durable (the plugin runs both in order)
             trainer.strategy.remove_checkpoint(old)
 

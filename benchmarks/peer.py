@@ -1,0 +1,116 @@
+"""Peer copies of the fast tier (``LocalTier(peer=True)``, issue 39 point 4): what they cost training.
+
+    python benchmarks/peer.py                                  # 2 CPU ranks (DDP, gloo), a 5M-parameter model
+    python benchmarks/peer.py --params-m 25 --steps 30 --rounds 5
+
+Launched as users launch a run (``python peer.py``: Lightning's launcher starts rank 1). Two ranks train a
+``--params-m`` million-parameter MLP with AdamW for ``--steps`` steps, each with a fast folder of its own (in
+``/dev/shm`` where it exists: two nodes' local disks on one machine), three ways in the same processes, in turn: no
+checkpointing, the fast tier every step with ``async_save=True``, and the same with ``peer=True`` (each save also sent
+to the other rank over a gloo group and committed there, checksums verified). The time from the first step after 2
+warm-up steps to the end of ``fit`` (which waits for every queued save and exchange) is taken on rank 0; a first
+round is dropped, then ``--rounds`` rounds run the three in turn and each one's median is reported, with the peer
+run's ratio to the fast tier without it (the cost of the copies) and to no checkpointing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_ort_ckpt import LocalTier, OrtCheckpoint
+
+WARM_UP = 2
+
+
+class Mlp(pl.LightningModule):
+    def __init__(self, params_m: float) -> None:
+        super().__init__()
+        width = max(8, int((params_m * 1e6 / 8) ** 0.5))  # blocks of Linear(d, 4d), Linear(4d, d): 8 d^2 each
+        self.net = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+        self.width = width
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class Clock(pl.Callback):
+    def __init__(self) -> None:
+        self.start = 0.0
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == WARM_UP:
+            self.start = time.perf_counter()
+
+
+def timed(how: str, params_m: float, steps: int, folder: str) -> float:
+    """Seconds from the first step after the warm-up to the end of ``fit`` on this rank."""
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    clock = Clock()
+    callbacks: list[Any] = [clock]
+    if how != "none":
+        fast = os.path.join(folder, f"{how}-{rank}")
+        callbacks.append(OrtCheckpoint(os.path.join(folder, f"persistent-{how}"), every_n_train_steps=10 ** 6,
+                                       async_save=True, local=LocalTier(fast, every_n_train_steps=1, keep=2,
+                                                                        peer=how == "peer")))
+    model = Mlp(params_m)
+    data = TensorDataset(torch.randn(4 * steps, model.width, generator=torch.Generator().manual_seed(0)))
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                         callbacks=callbacks, enable_checkpointing=how != "none", enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(model, DataLoader(data, batch_size=2))
+    elapsed = time.perf_counter() - clock.start
+    trainer.strategy.barrier()
+    if rank == 0:
+        for name in os.listdir(folder):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    trainer.strategy.barrier()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params-m", type=float, default=5.0)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = os.environ.setdefault("PEER_BENCH_DIR", tempfile.mkdtemp(prefix="peer-bench-", dir=base))
+    kinds = ("none", "fast", "peer")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for round_ in range(args.rounds + 1):
+        for how in kinds:
+            seconds = timed(how, args.params_m, args.steps, folder)
+            if round_:
+                times[how].append(seconds)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        median = {k: statistics.median(v) for k, v in times.items()}
+        rounds = ", ".join(f"{t:.2f}" for t in times["peer"])
+        print(f"{args.params_m:g}M parameters, {args.steps} steps, 2 ranks (DDP, gloo), fast tier every step, "
+              f"async_save=True; median of {args.rounds} rounds (each: {rounds} s with peer copies)")
+        for how in kinds:
+            print(f"  {how:>5}: {median[how]:.2f} s")
+        print(f"  peer / fast tier alone: {median['peer'] / median['fast']:.3f}x; "
+              f"peer / no checkpointing: {median['peer'] / median['none']:.3f}x")
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Peer copies of the fast tier (``LocalTier(peer=True)``): 2 CPU processes (gloo, DDP), launched as users launch
+them, each rank with a fast folder of its own (``fast0``, ``fast1``: two nodes' local disks on one machine).
+
+Fit 1 trains 6 steps with moto's S3 (through the counting proxy) as the persistent tier, saving step 4 there, and
+the fast tier every step (``keep=2``, ``async_save=True``): rank 0 writes steps 5 and 6 in ``fast0``, and its
+partner, rank 1, holds verified copies of both in ``fast1/peer-of-rank0/``. Then ``fast0`` is emptied (the node of
+rank 0 replaced) and fit 2 resumes with ``ckpt_path="last"``: rank 0 takes step 6 back from rank 1 over the process
+group, resumes from it in its own fast folder, and ends bit for bit where an uninterrupted fit of 8 steps ends,
+without a single GET of an object from the persistent store; so does a resume with rank 1's folder emptied instead
+(it held only rank 0's copies, which it holds again after). With ``peer=False`` no process group is made, and none
+made for the copies, nor any thread, outlives the fit. With one process there is no partner: a warning, and the
+fast tier saves as without peer copies; a sharded strategy (ModelParallel) with ``peer=True`` is refused at setup on
+every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+
+from helpers.fits import files_after_fit, fit
+from helpers.launching import launch_script
+from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
+from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
+
+SCRIPT = r'''
+import json, os, sys, threading, warnings
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_ort_ckpt import LocalTier, OrtCheckpoint
+
+OUT, PHASE, ENDPOINT, BUCKET = sys.argv[1:5]
+RANK = int(os.environ.get("LOCAL_RANK", "0"))  # one node: the local rank is the global one
+OPTIONS = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": ENDPOINT}}
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(batch[0]))), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def groups():
+    return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
+
+
+class Record(pl.Callback):
+    def __init__(self):
+        self.seen = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen.update(start=trainer.global_step, ckpt_path=trainer.ckpt_path and str(trainer.ckpt_path),
+                         groups_in_fit=groups())
+
+
+def fit(name, max_steps, peer=None, ckpt_path=None):
+    pl.seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    record = Record()
+    callbacks = [record]
+    if peer is not None:
+        callbacks.append(OrtCheckpoint(f"s3://{BUCKET}/run", every_n_train_steps=4, save_top_k=-1, async_save=True,
+                                       storage_options=OPTIONS,
+                                       local=LocalTier(os.path.join(OUT, name.split("-")[0] + str(RANK)),
+                                                       every_n_train_steps=1, keep=2, peer=peer)))
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=peer is not None)
+    threads = {t.name for t in threading.enumerate()}
+    trainer.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4), ckpt_path=ckpt_path)
+    weights = {k: v.flatten().tolist() for k, v in trainer.lightning_module.state_dict().items()}
+    with open(os.path.join(OUT, f"{name}.rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({**record.seen, "weights": weights, "groups_after": groups(), "end": trainer.global_step,
+                   "new_threads": sorted({t.name for t in threading.enumerate()} - threads)}, f)
+
+
+class Sharded(Net):
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        for m in (self.l1, self.l2, self):
+            fully_shard(m, mesh=self.device_mesh["data_parallel"])
+
+
+def refused_under_a_sharded_strategy():
+    from pytorch_lightning.strategies import ModelParallelStrategy
+    from lightning_ort_ckpt.errors import CheckpointConfigError
+
+    callback = OrtCheckpoint(os.path.join(OUT, "sharded"),
+                             local=LocalTier(os.path.join(OUT, f"sharded-fast{RANK}"), peer=True))
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=2, logger=False, callbacks=[callback],
+                         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                         enable_progress_bar=False, enable_model_summary=False)
+    x = torch.randn(16, 8)
+    try:
+        trainer.fit(Sharded(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
+        error = None
+    except CheckpointConfigError as e:
+        error = str(e)
+    with open(os.path.join(OUT, f"sharded.rank{RANK}.json"), "w") as f:
+        json.dump({"error": error, "groups_after": groups()}, f)
+
+
+warnings.simplefilter("ignore")
+if PHASE == "first":
+    fit("reference", 8)
+    fit("off-fit", 6, peer=False)
+    fit("fast-fit", 6, peer=True)
+    refused_under_a_sharded_strategy()
+elif PHASE == "resume":
+    fit("fast-resume", 8, peer=True, ckpt_path="last")
+    fit("fast-again", 10, peer=True, ckpt_path="last")  # nothing wiped: each rank's folder as it was left
+else:
+    fit("fast-partner", 12, peer=True, ckpt_path="last")
+'''
+
+
+def record(tmp_path: Path, name: str, rank: int) -> dict[str, Any]:
+    return json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+
+
+def _object_reads(requests: list[str]) -> list[str]:
+    """GETs of an object's bytes (a listing is a GET of the bucket: ``list-type=``)."""
+    return [r for r in requests if r.startswith("GET ") and "list-type=" not in r and r.split("?")[0].count("/") > 1]
+
+
+@pytest.fixture
+def counted(proxy: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The counting proxy, named in the environment too (what opens the store without our options reaches it)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    return proxy
+
+
+def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_store(tmp_path: Path,
+                                                                                    counted: Any) -> None:
+    proxy = counted
+    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": proxy.url}}
+    bucket = f"peer-{os.getpid()}-{id(tmp_path) % 100000}"
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    launch_script(script, [str(tmp_path), "first", proxy.url, bucket], "the peer-copy fits", 900)
+
+    # (a) rank 1 holds a verified copy of each of rank 0's fast saves, byte for byte; rank 0 holds none of rank 1's
+    fast0, fast1 = tmp_path / "fast0", tmp_path / "fast1"
+    assert sorted(p.name for p in fast0.iterdir()) == ["step=5.ckpt", "step=6.ckpt"]
+    copies = fast1 / "peer-of-rank0"
+    assert sorted(p.name for p in fast1.iterdir()) == ["peer-of-rank0"]
+    assert sorted(p.name for p in copies.iterdir()) == ["step=5.ckpt", "step=6.ckpt"]
+    for name in ("step=5.ckpt", "step=6.ckpt"):
+        assert (copies / name).read_bytes() == (fast0 / name).read_bytes()
+        load_checkpoint(copies / name)  # every checksum verified
+    # (c, d) peer off: no process group beyond the fit's own; peer on: one more, during the fit only; no thread
+    # of either outlives the fit
+    for rank in (0, 1):
+        off, on = record(tmp_path, "off-fit", rank), record(tmp_path, "fast-fit", rank)
+        assert on["groups_in_fit"] == off["groups_in_fit"] + 1
+        assert on["groups_after"] == off["groups_after"]
+        assert on["new_threads"] == []  # (the first fit on S3, peer off, started fsspec's event loop thread)
+    assert sorted(p.name for p in (tmp_path / "off0").iterdir()) == ["step=5.ckpt", "step=6.ckpt"]
+    assert list((tmp_path / "off1").iterdir()) == []  # rank 1 writes nothing without peer copies
+    for rank in (0, 1):  # a sharded strategy's folders are not copied: refused on every rank, at setup
+        sharded = record(tmp_path, "sharded", rank)
+        assert "LocalTier(peer=True) copies full-state saves" in sharded["error"], sharded
+
+    # (b) rank 0's node replaced: an empty fast folder. "last" takes step 6 back from rank 1, reading no object
+    for path in fast0.iterdir():
+        path.unlink()
+    proxy.requests.clear()
+    launch_script(script, [str(tmp_path), "resume", proxy.url, bucket], "the resume from a peer copy", 900)
+    assert _object_reads(proxy.requests) == [], proxy.requests
+    assert any("list-type=" in r for r in proxy.requests)  # it did look at the persistent tier
+    resumed = record(tmp_path, "fast-resume", 0)
+    assert (resumed["start"], resumed["ckpt_path"], resumed["end"]) == (6, str(fast0 / "step=6.ckpt"), 8)
+    for rank in (0, 1):
+        assert record(tmp_path, "fast-resume", rank)["start"] == 6
+        assert record(tmp_path, "fast-resume", rank)["weights"] == record(tmp_path, "reference", rank)["weights"]
+    # and nothing wiped: the fast tier and its copies as they were (nothing to take back), "last" the fast step 8
+    again = record(tmp_path, "fast-again", 0)
+    assert (again["start"], again["ckpt_path"], again["end"]) == (8, str(fast0 / "step=8.ckpt"), 10)
+    assert record(tmp_path, "fast-again", 1)["start"] == 8
+    assert sorted(p.name for p in fast0.iterdir()) == ["step=10.ckpt", "step=9.ckpt"]
+    assert sorted(p.name for p in copies.iterdir()) == ["step=10.ckpt", "step=9.ckpt"]
+
+    # rank 1's node replaced instead: it held only rank 0's copies; rank 0 resumes from its own fast tier, reading
+    # no object, and rank 1 holds copies again
+    shutil.rmtree(fast1)
+    fast1.mkdir()
+    proxy.requests.clear()
+    launch_script(script, [str(tmp_path), "partner", proxy.url, bucket], "the resume with the partner wiped", 900)
+    assert _object_reads(proxy.requests) == [], proxy.requests
+    partner = record(tmp_path, "fast-partner", 0)
+    assert (partner["start"], partner["ckpt_path"], partner["end"]) == (10, str(fast0 / "step=10.ckpt"), 12)
+    assert sorted(p.name for p in copies.iterdir()) == ["step=11.ckpt", "step=12.ckpt"]
+
+
+def test_peer_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointConfigError, match="LocalTier.peer"):
+        LocalTier(tmp_path, peer="yes")  # type: ignore[arg-type]
+
+
+def test_one_process_warns_and_saves_as_without_peer_copies(tmp_path: Path) -> None:
+    fast = tmp_path / "fast"
+    tier = LocalTier(fast, every_n_train_steps=2, keep=2, peer=True)
+    with pytest.warns(CheckpointWarning, match="no partner rank"):
+        fit(OrtCheckpoint(tmp_path / "persistent", every_n_train_steps=4, save_top_k=-1, local=tier), 2)
+    assert files_after_fit(fast) == {"step=6.ckpt", "step=8.ckpt"}  # and no peer folder
