@@ -48,7 +48,7 @@ from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents
-from .format._store import StorageOptions, Store, local_path, store_for, wait_for_cleanup
+from .format._store import StorageOptions, Store, Stores, local_path, wait_for_cleanup
 from .format._writer import ExternalData
 
 _EXTERNAL_DATA = ("auto", "never", "params", "all")
@@ -118,10 +118,19 @@ class OrtCheckpointIOMixin:
         return {k: getattr(self, k) for k in _SETTINGS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        async_save = state.pop("async_save")
+        async_save, self.storage_options = state.pop("async_save"), state.pop("storage_options")
         state.setdefault("fast_forward_iterables", False)
         self.__dict__.update(state)
         self._start(async_save)
+
+    @property
+    def storage_options(self) -> StorageOptions | None:
+        return self.stores.storage_options
+
+    @storage_options.setter
+    def storage_options(self, value: StorageOptions | None) -> None:
+        """New options, new stores: each built at its first path and kept (``format._store.Stores``)."""
+        self.stores = Stores(value)
 
     @property
     def async_save(self) -> bool:
@@ -133,9 +142,6 @@ class OrtCheckpointIOMixin:
         self.wait()
         self._executor = self._executors[bool(value)]
 
-    def _options(self, extra: Any | None = None) -> StorageOptions:
-        return {**(self.storage_options or {}), **(extra or {})}
-
     # -- saving -------------------------------------------------------------------------------------------------
     @_signals.guarded(defer=True)
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
@@ -143,19 +149,18 @@ class OrtCheckpointIOMixin:
         self._raise_background_error()
         if _lightning_adapter.launcher_weights(path, checkpoint):
             return _save_torch(checkpoint, path)  # Lightning's launcher hands weights to the main process
-        options = self._options(storage_options)
         target = local_path(path)
         path = (self._promotion(target) if self._promotion else None) or target  # a fast-tier path first, copied
         ck, strategy = self._contents(checkpoint, path)
         module = strategy.lightning_module if strategy is not None else None
-        store = store_for(path, options)
+        store = self.stores.of(path, storage_options)
         decided = self._sharing.decide(ck, path, module if self.share_frozen else None, self.external_data, store)
         ck, keep = self._executor.own(
             ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
             module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, decided.keep)
         self._executor.run(decided.write, ck, path, keep, store)
         if path != target:
-            self._executor.run(_promotion.copy_verified, path, target, store_for(target, options))
+            self._executor.run(_promotion.copy_verified, path, target, self.stores.of(target, storage_options))
         if _signals.must_be_durable(target):  # Lightning's requeue save: the job is requeued, and killed, next
             self.wait()
 
@@ -190,11 +195,12 @@ class OrtCheckpointIOMixin:
         path = local_path(path)
         held, self._held = self._held, None
         found = held[1] if held is not None and held[0] == path else None
-        if found is None and not is_ort_checkpoint(path, self.storage_options):
+        store = self.stores.of(path)
+        if found is None and not is_ort_checkpoint(path, store):
             return read_torch_file(path, map_location, weights_only)
         strategy = self._owner_strategy()
         if found is None:
-            found = read_contents(path, self.storage_options)
+            found = read_contents(path, store)
         checkpoint = to_lightning(found, path, strategy) if isinstance(found, CheckpointContents) else found
         return _fabric.fabric_state(map_location_of(self.loaded(checkpoint, path), map_location))
 
@@ -229,7 +235,7 @@ class OrtCheckpointIOMixin:
         which stays, and training goes on."""
         self._raise_background_error()
         path = local_path(path)
-        self._executor.run(self._retire, store_for(path, self.storage_options), path)
+        self._executor.run(self._retire, self.stores.of(path), path)
 
     def _retire(self, store: Store, path: str) -> None:
         """Remove through the store, first keeping a reserve of a shared ``.data`` that is a copy's last name."""
@@ -243,7 +249,7 @@ class OrtCheckpointIOMixin:
         store without links (``s3://``...), a copy of it."""
         self._raise_background_error()
         target, linkpath = local_path(target), local_path(linkpath)
-        self._executor.run(store_for(linkpath, self.storage_options).link_or_copy, target, linkpath)
+        self._executor.run(self.stores.of(linkpath).link_or_copy, target, linkpath)
 
     @_signals.guarded(defer=False)
     def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None:

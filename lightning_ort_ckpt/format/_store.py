@@ -1,6 +1,7 @@
 """Where checkpoint files live: the one interface every layer above reads and writes checkpoint files through.
 
-A :class:`Store` is chosen once per path (per plugin, per call) by :func:`store_for` and passed down: each backend
+A :class:`Store` is built once per location (a plugin keeps its own in :class:`Stores` for its lifetime; a call
+builds one) by :func:`store_for` and passed down, never rebuilt from ``storage_options`` below: each backend
 class says which paths are its own (:meth:`Backend.handles`, as ``torch.distributed.checkpoint``'s
 ``validate_checkpoint_id``) and :func:`store_for` takes the first of :data:`BACKENDS` that does. A local path (no
 ``protocol://``, or a ``file://`` URL: :func:`local_path`) is :class:`~._local_store.LocalStore`'s (the journaled
