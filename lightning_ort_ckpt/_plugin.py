@@ -40,12 +40,11 @@ from typing import Any, Literal
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import _fabric, _lightning_adapter, _promotion, _rng, _sharing, _signals, _staging, _strategies, _train_start
+from . import (_fabric, _lightning_adapter, _promotion, _save_contents, _sharing, _signals, _staging, _strategies,
+               _train_start)
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._namespaces import loaded
 from ._reading import is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
-from ._rng import RNG_KEY
-from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents
 from .format._store import StorageOptions, Store, Stores, local_path, wait_for_cleanup
@@ -151,7 +150,10 @@ class OrtCheckpointIOMixin:
             return _save_torch(checkpoint, path)  # Lightning's launcher hands weights to the main process
         target = local_path(path)
         path = (self._promotion(target) if self._promotion else None) or target  # a fast-tier path first, copied
-        ck, strategy = self._contents(checkpoint, path)
+        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
+        strategy = self._owner_strategy(checkpoint.get("state_dict")) if fabric is None else None
+        ck, strategy = _save_contents.ort_contents(checkpoint, path, fabric, strategy, self.data_position,
+                                                   self.ort_compatible)
         module = strategy.lightning_module if strategy is not None else None
         store = self.stores.of(path, storage_options)
         decided = self._sharing.decide(ck, path, module if self.share_frozen else None, self.external_data, store)
@@ -168,25 +170,6 @@ class OrtCheckpointIOMixin:
         """Until called again, a save of a path for which ``source`` names another (a fast-tier path) is written there
         and then copied to its path (``_promotion``); None: saves go where they are asked to."""
         self._promotion = source
-
-    def _contents(self, checkpoint: dict[str, Any], path: str) -> tuple[CheckpointContents, Any]:
-        """What is saved, as ORT contents, and the strategy whose live module holds its tensors (None for a gathered
-        copy of a sharded module, Fabric's state, or a module not known: nothing to share with or defer to)."""
-        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
-        if fabric is not None:  # no random states: Fabric leaves them to the script
-            return to_ort(fabric[0], fabric[1], ort_compatible=self.ort_compatible), None
-        strategy = self._owner_strategy(checkpoint.get("state_dict"))
-        checkpoint = {**checkpoint, RNG_KEY: _rng.capture(), **self.data_position()}
-        if strategy is None or strategy.lightning_module is None:
-            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
-                          "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "
-                          "all are saved as frozen, and optimizer state by index. ORT can load the file but not train "
-                          "from it; save through trainer.save_checkpoint (or fabric.save) for one it trains from.",
-                          CheckpointWarning, stacklevel=3)
-            return to_ort(checkpoint, None, ort_compatible=self.ort_compatible), None
-        info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
-        return (to_ort(checkpoint, info, ort_compatible=self.ort_compatible),
-                None if _strategies.gathers(strategy) else strategy)
 
     # -- loading ------------------------------------------------------------------------------------------------
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
@@ -306,7 +289,8 @@ class OrtCheckpointIOMixin:
         self._attachment = _strategies.attach(strategy, self)
         self._unwrap = self._attachment.undo if self._attachment is not None else None
         self._train_start.bind(strategy, self.fast_forward_iterables, _arming(self._executors[True], self._attachment))
-        self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
+        self._executors[True].prepare(  # allocates only while async_save is on
+            lambda: _save_contents.staged_sources(self._owner_strategy()) if self.async_save else None)
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
         """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
@@ -318,17 +302,6 @@ class OrtCheckpointIOMixin:
             return
         self.bind(strategy)
         self._unwrap = self._attachment.close if self._attachment is not None else None
-
-    def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
-        """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate
-        its memory ahead of the first save; None while saves are synchronous, and under the strategies whose state
-        is sharded or gathered (``_strategies``: reading it is a collective, which a thread must not start)."""
-        if not self.async_save:
-            return None
-        strategy = self._owner_strategy()
-        if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
-            return None
-        return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
 
 
 def _save_torch(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
