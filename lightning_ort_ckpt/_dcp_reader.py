@@ -47,7 +47,8 @@ class ShardFiles:
         reader, info = self._info(file, name)
         if info.dtype.to_torch() != dtype or info.shape != tuple(sizes):
             raise CorruptCheckpointError(f"tensor {name!r} is {info.dtype.name} {list(info.shape)}, but "
-                                         f"{METADATA_NAME} says {dtype} {list(sizes)}", self.store.join(self.path, file))
+                                         f"{METADATA_NAME} says {dtype} {list(sizes)}",
+                                         self.store.join(self.path, file))
         return self._read(file, reader, info, into)
 
     def stored(self, file: str, name: str) -> torch.Tensor:
@@ -70,7 +71,8 @@ class ShardFiles:
                 return into
             return _as_torch(reader.read_bytes(info), info)
         except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(str(e).removeprefix(f"{reader.path}: "), self.store.join(self.path, file)) from None
+            raise CorruptCheckpointError(str(e).removeprefix(f"{reader.path}: "),
+                                         self.store.join(self.path, file)) from None
 
     def value(self, loc: Location) -> Any:
         """A non-tensor item: ``bytes``, an ``io.BytesIO`` (at position 0), or the value it was."""
@@ -86,7 +88,8 @@ class ShardFiles:
         try:
             return values.decode(json.loads(data), lambda ref: self.stored(loc.file, ref))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            raise CorruptCheckpointError(f"item {loc.name!r} does not decode ({e})", self.store.join(self.path, loc.file)) \
+            raise CorruptCheckpointError(f"item {loc.name!r} does not decode ({e})",
+                                         self.store.join(self.path, loc.file)) \
                 from None
 
     def tensor(self, t: dict[str, Any]) -> torch.Tensor:
@@ -138,8 +141,9 @@ def _as_torch(raw: np.ndarray, info: TensorInfo) -> torch.Tensor:
 class OrtStorageReader(StorageReader):
     """DCP's ``StorageReader`` of ours (public as ``lightning_ort_ckpt.dcp.OrtStorageReader``): reads only the items
     the load plan asks for, each tensor's checksum verified; non-tensor items are handed to the planner as the
-    values they were (never through a pickle). ``doc``: the metadata document, when the caller read it already; ``store``: the store of ``path``, when the
-    caller built it already."""
+    values they were (never through a pickle). ``doc``: the metadata document, when the caller read it already;
+    ``store``: the store of ``path``, when the caller built it already (else one is built from ``storage_options``,
+    once)."""
 
     def __init__(self, path: str | os.PathLike[str], *, storage_options: StorageOptions | None = None,
                  doc: dict[str, Any] | None = None, store: Store | None = None) -> None:

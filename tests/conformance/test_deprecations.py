@@ -43,7 +43,7 @@ def test_old_modules_forward_their_names_and_warn_once_at_import() -> None:
         from lightning_ort_ckpt.plugin import read_any_checkpoint
         import lightning_ort_ckpt
         # 0.2's readers take storage_options still (the ones of _reading take a store)
-        print(OrtCheckpointIO is lightning_ort_ckpt.OrtCheckpointIO, is_ort_checkpoint("nothing-here.ckpt", {}) is False)
+        print(OrtCheckpointIO is lightning_ort_ckpt.OrtCheckpointIO, is_ort_checkpoint("nothing.ckpt", {}) is False)
         from lightning_ort_ckpt.format.atomic import data_path, atomic_save
         print(data_path("a.ckpt"))
         from lightning_ort_ckpt.cli import main
