@@ -117,7 +117,7 @@ class OrtCheckpointIOMixin:
         return {k: getattr(self, k) for k in _SETTINGS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        async_save, self.storage_options = state.pop("async_save"), state.pop("storage_options")
+        async_save, self.storage_options = state.pop("async_save"), state.pop("storage_options", None)
         state.setdefault("fast_forward_iterables", False)
         self.__dict__.update(state)
         self._start(async_save)
