@@ -46,7 +46,7 @@ from ._preservation import Preservation
 from ._save_decision import SaveDecision, Verdict
 from ._tiers import LocalTier, tier
 from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
-from .format._store import StorageOptions, Store, local_path, store_for
+from .format._store import StorageOptions, Store, local_path
 from .format._writer import ExternalData
 
 if TYPE_CHECKING:  # type checkers see ModelCheckpoint's methods; at run time the concrete classes add its copy
@@ -163,8 +163,9 @@ class OrtCheckpointMixin(_Base):
         return getattr(self._exporter, "report", None)
 
     def _store(self, path: str | None = None) -> Store:
-        """The store of ``path`` (``dirpath`` by default), with the plugin's options."""
-        return store_for(path if path is not None else self.dirpath, self.checkpoint_io.storage_options)
+        """The store of ``path`` (``dirpath`` by default): the plugin's, built once for its lifetime and shared by
+        its saves, removals and links and this callback's listings and resumes (``format._store.Stores``)."""
+        return self.checkpoint_io.stores.of(path if path is not None else self.dirpath)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """A file of a ModelCheckpoint with the same monitor, mode and triggers: carry on with its ranking, as
@@ -299,8 +300,8 @@ class OrtCheckpointMixin(_Base):
         """What ``ckpt_path="last"`` resumes from (``_resume``). With peer copies, nothing is read before
         ``setup`` (``at_setup``): the listing's newest, then the choice again once the copies are back."""
         directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
-        entries = _registry.scan(directory, self._store(directory), self.checkpoint_io.storage_options,
-                                 extension=self.FILE_EXTENSION, last_name=self.CHECKPOINT_NAME_LAST,  # sub-folders
+        entries = _registry.scan(directory, self._store(directory), extension=self.FILE_EXTENSION,
+                                 last_name=self.CHECKPOINT_NAME_LAST,  # sub-folders
                                  recursive="/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST) if directory else []
         rank_zero = trainer.global_rank == 0
         if rank_zero and not at_setup:
@@ -308,8 +309,7 @@ class OrtCheckpointMixin(_Base):
         entries = self._tier.nearest_first(entries, trainer)  # every tier's, nearest first (_tiers)
         reads = rank_zero and (at_setup or not self._tier.reads_last_at_setup(trainer))
         return self._resumption.find(entries, str(directory), rank_zero=reads, alone=trainer.world_size == 1,
-                                     io=bound_plugin(trainer) or self.checkpoint_io,
-                                     storage_options=self.checkpoint_io.storage_options,
+                                     io=bound_plugin(trainer) or self.checkpoint_io, store_of=self._store,
                                      module=trainer.lightning_module)
 
     def state_dict(self) -> dict[str, Any]:
@@ -389,7 +389,7 @@ def _agree_on_last(callback: OrtCheckpointMixin, trainer: Any, stage: str) -> No
     dirpath = os.fspath(callback.dirpath) if callback.dirpath is not None else None  # rank 0's (ModelCheckpoint's)
     io, resumption = callback.checkpoint_io, callback._resumption
     resumption.agree(lambda mine, adopt: _ranks.agree(trainer, dirpath, callback._store(), stage == "fit", mine, adopt),
-                     str(dirpath), io, io.storage_options)
+                     str(dirpath), io, callback._store)
     fallback = callback._stand_in.loading(trainer, resumption.loading(
         _ranks.all_ranks(trainer), str(dirpath), lambda path: _lightning_adapter.set_resumed_path(trainer, path)))
     if fallback is not None:

@@ -36,7 +36,7 @@ import numpy as np
 from . import __version__
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import CheckpointContents, OptimizerGroup
-from .format._store import store_for
+from .format._store import Stores
 from .format._reader import CheckpointReader, TensorInfo
 from .format._shared_data import damage_note
 from ._cli_runs import expand, healable, ls, reading, repair
@@ -142,7 +142,8 @@ def _run(args: argparse.Namespace) -> int:
         return _consolidate(args)
     if args.command == "ls":
         return ls(args.directory, as_json=args.json, verify=args.verify)
-    units, several = expand(args.paths)
+    stores = Stores()  # the command's: one store per backend, for every path it names
+    units, several = expand(args.paths, stores)
     for line in repair([p for p, nothing in units if nothing is None]) if getattr(args, "repair", False) else ():
         print(line, file=sys.stderr if args.json else sys.stdout)
     reports: list[dict[str, Any]] = []
@@ -150,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
         if several and not args.json and args.command == "inspect" and reports:
             print()
         if nothing is None:
-            reports.append(_one(args, path))
+            reports.append(_one(args, path, stores))
             continue
         reports.append({"file": path, "valid": False, "error": nothing})  # a glob or directory without any
         if not args.json:
@@ -170,12 +171,12 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _one(args: argparse.Namespace, path: str) -> dict[str, Any]:
+def _one(args: argparse.Namespace, path: str, stores: Stores) -> dict[str, Any]:
     """Inspect or verify one checkpoint (a file, a URL or a sharded folder), printing what the command prints for
     it (nothing with ``--json``); its report, ``valid`` False when it failed."""
     verify = args.command == "verify"
     try:
-        report, reader = _report(path, verify)
+        report, reader = _report(path, verify, stores)
     except ModuleNotFoundError as e:  # torch, to read a sharded checkpoint directory
         message = _missing_message(e, args.command)
         if not args.json:
@@ -205,13 +206,13 @@ def _one(args: argparse.Namespace, path: str) -> dict[str, Any]:
     return report
 
 
-def _report(path: str, verify: bool) -> tuple[dict[str, Any], bool]:
+def _report(path: str, verify: bool, stores: Stores) -> tuple[dict[str, Any], bool]:
     """What ``inspect`` (or ``verify``) says of one checkpoint, and whether every tensor's checksum was checked.
     ``inspect`` checks the checksums of the smallest tensors, :data:`_INSPECT_HASH_BYTES` of them at most: a
     mismatch is reported as ``damaged`` (the report is still shown) and the report's ``valid`` is False."""
     from ._loading import single_file
 
-    with (single_file(path) as single, store_for(single).fetched(single) as local, reading(local) as reader):
+    with (single_file(path, stores) as single, stores.of(single).fetched(single) as local, reading(local) as reader):
         report = describe(reader)  # a URL: downloaded first; a sharded directory: consolidated
         if local != path:  # the report names the URL or directory, not the local copy
             report["file"] = path

@@ -34,7 +34,7 @@ from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
 from .format._reader import CheckpointReader
 from .format._shared_data import repair as _repair
 from .format._shared_data import sharing_checkpoints
-from .format._store import store_for
+from .format._store import Store, Stores
 
 _GLOB_CHARS = "*?["
 CHECKPOINT_SUFFIX = ".ckpt"  # Lightning's ModelCheckpoint.FILE_EXTENSION, which OrtCheckpoint keeps
@@ -57,14 +57,14 @@ def repair(paths: list[str]) -> list[str]:
     return lines
 
 
-def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
+def expand(paths: list[str], stores: Stores) -> tuple[list[tuple[str, str | None]], bool]:
     """The checkpoints ``paths`` name, in their order, each with None, or, for a path that named none, why; and
     whether they are several (a summary line follows): a glob is expanded, a run directory gives its
     checkpoints, anything else is itself."""
     found: list[tuple[str, str | None]] = []
     several = len(paths) > 1
     for path in paths:
-        if not store_for(path).local or os.path.lexists(path) or not any(c in path for c in _GLOB_CHARS):
+        if not stores.of(path).local or os.path.lexists(path) or not any(c in path for c in _GLOB_CHARS):
             matches = [path]
         else:
             several = True
@@ -72,12 +72,12 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
             if not matches:
                 found.append((path, "no file or folder matches"))
         for match in matches:
-            if is_run_directory(match):
+            if is_run_directory(match, stores.of(match)):
                 several = True
-                if store_for(match).local and (why := unreadable(match)) is not None:
+                if stores.of(match).local and (why := unreadable(match)) is not None:
                     found.append((match, why))
                     continue
-                inside = [(e.path, None) for e in sorted(checkpoints(match), key=lambda e: e.path)]
+                inside = [(e.path, None) for e in sorted(checkpoints(match, stores.of(match)), key=lambda e: e.path)]
                 found += inside or [(match, "a directory without checkpoints (no *.ckpt file or checkpoint "
                                             "folder)")]
             else:
@@ -85,12 +85,11 @@ def expand(paths: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
     return list(dict.fromkeys(found)), several
 
 
-def is_run_directory(path: str) -> bool:
+def is_run_directory(path: str, store: Store) -> bool:
     """A directory, local or remote (``s3://bucket/run``), that is not itself a checkpoint (a committed or
     half-written checkpoint folder)."""
     if path.rstrip("/").endswith(CHECKPOINT_SUFFIX):
         return False
-    store = store_for(path)
     return store.is_directory(path) and not store.exists(store.join(path, FOLDER_COMMIT_NAME))
 
 
@@ -104,9 +103,9 @@ def unreadable(directory: str) -> str | None:
     return None
 
 
-def checkpoints(directory: str) -> list[Entry]:
-    """The committed and half-written checkpoints of ``directory``, as the registry lists them."""
-    return [e for e in scan(directory, store_for(directory)) if e.state is not State.FOREIGN]
+def checkpoints(directory: str, store: Store) -> list[Entry]:
+    """The committed and half-written checkpoints of ``directory`` (on ``store``), as the registry lists them."""
+    return [e for e in scan(directory, store) if e.state is not State.FOREIGN]
 
 
 def _part_of_another(path: str) -> bool:
@@ -118,8 +117,9 @@ def _part_of_another(path: str) -> bool:
 # -- ls --------------------------------------------------------------------------------------------------------------
 def ls(directory: str, as_json: bool, verify: bool) -> int:
     """Print the table (or the JSON document) of ``directory``'s checkpoints; exit status 1 if one is not valid."""
+    stores = Stores()  # the command's: one store per backend
     why = ("a URL: ort-ckpt ls lists a local directory (ort-ckpt verify URL checks every checkpoint of a remote run)"
-           if not store_for(directory).local else
+           if not stores.of(directory).local else
            "not a directory (ort-ckpt ls takes a run's checkpoint directory)" if not os.path.isdir(directory) else
            unreadable(directory))
     if why is not None:
@@ -127,7 +127,7 @@ def ls(directory: str, as_json: bool, verify: bool) -> int:
         print(json.dumps({"ok": False, "error": message}) if as_json else f"error: {_shown(message)}",
               file=sys.stdout if as_json else sys.stderr)
         return 1
-    rows = [_row(e, verify) for e in checkpoints(directory)]
+    rows = [_row(e, verify, stores) for e in checkpoints(directory, stores.of(directory))]
     rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["epoch"] or 0, r["link"] is not None, r["name"]))
     seen: set[tuple[int, int]] = set()
     for r in rows:
@@ -155,7 +155,7 @@ def ls(directory: str, as_json: bool, verify: bool) -> int:
     return 1 if invalid else 0
 
 
-def _row(entry: Entry, verify: bool) -> dict[str, Any]:
+def _row(entry: Entry, verify: bool, stores: Stores) -> dict[str, Any]:
     folder = entry.kind is Kind.FOLDER
     row: dict[str, Any] = {"name": os.path.basename(entry.path), "path": entry.path,
                            "kind": "folder" if folder else "file", "step": entry.step, "epoch": entry.epoch,
@@ -166,7 +166,7 @@ def _row(entry: Entry, verify: bool) -> dict[str, Any]:
         row["problem"] = f"half-written: a checkpoint folder without {FOLDER_COMMIT_NAME} (its save did not finish)"
     elif folder:
         if verify and not row["problem"]:
-            _verify_folder(row, entry.path)
+            _verify_folder(row, entry.path, stores)
     else:
         _file_row(row, entry.path, verify)
     return row
@@ -211,12 +211,12 @@ def healable(reader: CheckpointReader) -> str | None:
             f"{reader.data_path}, intact in the other copy {other}")
 
 
-def _verify_folder(row: dict[str, Any], path: str) -> None:
+def _verify_folder(row: dict[str, Any], path: str, stores: Stores) -> None:
     """``--verify`` of a sharded checkpoint: every shard's tensors hashed, through its consolidated copy."""
     from ._loading import single_file
 
     try:
-        with single_file(path) as single, reading(single) as reader:
+        with single_file(path, stores) as single, reading(single) as reader:
             reader.verify()
     except CheckpointError as e:
         row["problem"] = str(e)

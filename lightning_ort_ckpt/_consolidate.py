@@ -35,7 +35,7 @@ from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import CheckpointContents, Deferred, StoredAs, save_checkpoint
 from .format._dtypes import from_torch
-from .format._store import store_for
+from .format._store import Stores
 
 _EAGER_BYTES = 64 << 10  # smaller tensors are read while the tree is decoded (step counters, scores): cheap, and
 # the translation looks at some of their values (a common optimizer step)
@@ -47,13 +47,17 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     past 2 GiB), which ONNX Runtime loads and, for a Lightning checkpoint dict, trains from; this library reads it
     back as the Lightning checkpoint it was. Streams one tensor at a time. ``storage_options``: fsspec's, for ``src``
     and ``out`` where they are URLs. Raises :class:`CorruptCheckpointError` naming the file on damage."""
-    src, out = os.fspath(src), os.fspath(out)
-    store = store_for(src, storage_options)
+    write_consolidated(os.fspath(src), os.fspath(out), Stores(storage_options))
+
+
+def write_consolidated(src: str, out: str, stores: Stores) -> None:
+    """:func:`consolidate`, through ``stores`` (one store for ``src`` and ``out`` where they share a backend)."""
+    store = stores.of(src)
     if not store.is_directory(src):
         raise CheckpointError("a file, not a sharded checkpoint folder: it is one checkpoint file already, nothing to "
                               "consolidate" if store.exists(src) else "no such folder", src)
-    doc = read_metadata(src, storage_options)
-    with ShardFiles(src, storage_options) as files:
+    doc = read_metadata(src, store)
+    with ShardFiles(src, store) as files:
         stand_ins: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
 
         def source(key: Any) -> torch.Tensor:
@@ -80,7 +84,7 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
         except ValueError as e:
             raise CheckpointError(str(e), src) from None
         _defer(contents, stand_ins, files)
-        save_checkpoint(contents, out, store=store_for(out, storage_options))
+        save_checkpoint(contents, out, store=stores.of(out))
 
 
 def _saved_items(doc: dict[str, Any], source: Callable[[Any], torch.Tensor], files: ShardFiles) -> dict[str, Any]:
@@ -140,18 +144,19 @@ def _renumbered(tree: dict[str, Any]) -> tuple[dict[str, Any], ModuleInfo | None
 
 
 @contextlib.contextmanager
-def single_file(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Iterator[str]:
+def single_file(path: str | os.PathLike[str], stores: Stores | None = None) -> Iterator[str]:
     """``path`` itself, or, for a sharded checkpoint directory, a consolidated copy in a temporary folder for the
     length of the block (what export, artifacts and ``ort-ckpt inspect/verify`` read: the one reader path). An error
-    of ours raised in the block names ``path``, not the copy."""
-    path = os.fspath(path)
-    if not is_sharded_checkpoint(path, storage_options):
+    of ours raised in the block names ``path``, not the copy. ``stores``: the caller's, which then has the store of
+    what it yields too."""
+    path, stores = os.fspath(path), stores if stores is not None else Stores()
+    if not is_sharded_checkpoint(path, stores.of(path)):
         yield path
         return
     folder = tempfile.mkdtemp(prefix="ort-ckpt-consolidated-")
     try:
         out = os.path.join(folder, os.path.basename(path.rstrip("/")) or "checkpoint.ckpt")
-        consolidate(path, out, storage_options=storage_options)
+        write_consolidated(path, out, stores)
         try:
             yield out
         except CheckpointError as e:  # name the user's directory, not our temporary copy of it

@@ -21,10 +21,10 @@ from . import _dcp_metadata
 from ._dcp_metadata import SHARD
 from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from .format._atomic import FOLDER_COMMIT_NAME
-from .format._store import StorageOptions, Store, store_for
+from .format._store import Store, store_for
 
 __all__ = ["HEAD", "METADATA_NAME", "CommitUnknownError", "commit_unknown", "is_ours", "is_sharded_checkpoint",
-           "join", "rank_metadata_name", "read_metadata", "remove_other_saves", "shard_name"]
+           "rank_metadata_name", "read_metadata", "remove_other_saves", "shard_name"]
 
 METADATA_NAME = FOLDER_COMMIT_NAME
 """The metadata file inside a sharded checkpoint directory; its presence is what makes the directory a checkpoint
@@ -37,11 +37,6 @@ def rank_metadata_name(rank: int) -> str:
     """The metadata file of one rank in a save without collectives (``use_collectives=False``): each rank describes
     only its own shard file, as DCP's ``__<rank>.metadata``; such a folder loads at the same world size only."""
     return f"rank-{rank:05d}.ort-meta"
-
-
-def join(path: str, name: str) -> str:
-    """``name`` inside the directory ``path`` (a local path or a URL)."""
-    return store_for(path).join(path, name)
 
 
 def shard_name(save_id: str, rank: int) -> str:
@@ -86,13 +81,12 @@ def remove_other_saves(store: Store, path: str, keep: set[str], rank: int | None
                     store.remove(file)
 
 
-def read_metadata(path: str, storage_options: StorageOptions | None = None, rank: int | None = None) -> dict[str, Any]:
-    """The checked metadata document of the sharded checkpoint ``path`` (``rank``: that rank's own, of a save
-    without collectives); :class:`CorruptCheckpointError` naming the file when it is missing (not a committed
+def read_metadata(path: str, store: Store, rank: int | None = None) -> dict[str, Any]:
+    """The checked metadata document of the sharded checkpoint ``path`` on ``store`` (``rank``: that rank's own, of
+    a save without collectives); :class:`CorruptCheckpointError` naming the file when it is missing (not a committed
     checkpoint) or damaged."""
-    store = store_for(path, storage_options)
     name = METADATA_NAME if rank is None else rank_metadata_name(rank)
-    meta = join(path, name)
+    meta = store.join(path, name)
     if not store.exists(meta):
         raise CorruptCheckpointError(f"not a sharded checkpoint: it has no {name} (a save that did not "
                                      "finish, or another kind of directory)", path)
@@ -111,11 +105,11 @@ def read_metadata(path: str, storage_options: StorageOptions | None = None, rank
     return doc
 
 
-def is_sharded_checkpoint(path: str, storage_options: dict[str, Any] | None = None) -> bool:
+def is_sharded_checkpoint(path: str, store: Store | None = None) -> bool:
     """True for a COMMITTED sharded checkpoint directory of ours (its metadata file exists and parses); False for a
     file, a missing path, or a half-written directory."""
     try:
-        read_metadata(os.fspath(path), storage_options)
+        read_metadata(os.fspath(path), store if store is not None else store_for(os.fspath(path)))
     except (CheckpointError, OSError, ValueError):
         return False
     return True

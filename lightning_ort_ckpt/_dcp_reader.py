@@ -19,12 +19,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from . import _dcp_metadata
-from ._dcp_folder import HEAD, METADATA_NAME, join, rank_metadata_name, read_metadata
+from ._dcp_folder import HEAD, METADATA_NAME, rank_metadata_name, read_metadata
 from ._dcp_metadata import Location, dtype_of
 from ._translation import values
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import CheckpointReader, TensorInfo
-from .format._store import StorageOptions, store_for
+from .format._store import StorageOptions, Store, Stores, store_for
 
 __all__ = ["OrtStorageReader", "ShardFiles"]
 
@@ -34,9 +34,9 @@ class ShardFiles:
     the one way a saved chunk is read: into memory of its own, its checksum verified, its type and shape checked
     against the metadata."""
 
-    def __init__(self, path: str, storage_options: StorageOptions | None = None) -> None:
+    def __init__(self, path: str, store: Store) -> None:
         self.path = path
-        self.store = store_for(path, storage_options)
+        self.store = store
         self._open: dict[str, CheckpointReader] = {}
         self._stack = contextlib.ExitStack()
 
@@ -47,7 +47,8 @@ class ShardFiles:
         reader, info = self._info(file, name)
         if info.dtype.to_torch() != dtype or info.shape != tuple(sizes):
             raise CorruptCheckpointError(f"tensor {name!r} is {info.dtype.name} {list(info.shape)}, but "
-                                         f"{METADATA_NAME} says {dtype} {list(sizes)}", join(self.path, file))
+                                         f"{METADATA_NAME} says {dtype} {list(sizes)}",
+                                         self.store.join(self.path, file))
         return self._read(file, reader, info, into)
 
     def stored(self, file: str, name: str) -> torch.Tensor:
@@ -60,7 +61,7 @@ class ShardFiles:
         info = reader.frozen.get(name)
         if info is None:
             raise CorruptCheckpointError(f"tensor {name!r}, named in the checkpoint's {METADATA_NAME}, is missing",
-                                         join(self.path, file))
+                                         self.store.join(self.path, file))
         return reader, info
 
     def _read(self, file: str, reader: CheckpointReader, info: TensorInfo, into: torch.Tensor | None) -> torch.Tensor:
@@ -70,14 +71,15 @@ class ShardFiles:
                 return into
             return _as_torch(reader.read_bytes(info), info)
         except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(str(e).removeprefix(f"{reader.path}: "), join(self.path, file)) from None
+            raise CorruptCheckpointError(str(e).removeprefix(f"{reader.path}: "),
+                                         self.store.join(self.path, file)) from None
 
     def value(self, loc: Location) -> Any:
         """A non-tensor item: ``bytes``, an ``io.BytesIO`` (at position 0), or the value it was."""
         raw = self.stored(loc.file, loc.name)
         if raw.dtype != torch.uint8 or raw.dim() != 1:
             raise CorruptCheckpointError(f"item {loc.name!r} is {raw.dtype} {list(raw.shape)}, not bytes",
-                                         join(self.path, loc.file))
+                                         self.store.join(self.path, loc.file))
         data = raw.numpy().tobytes()
         if loc.kind == "bytes":
             return data
@@ -86,7 +88,8 @@ class ShardFiles:
         try:
             return values.decode(json.loads(data), lambda ref: self.stored(loc.file, ref))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            raise CorruptCheckpointError(f"item {loc.name!r} does not decode ({e})", join(self.path, loc.file)) \
+            raise CorruptCheckpointError(f"item {loc.name!r} does not decode ({e})",
+                                         self.store.join(self.path, loc.file)) \
                 from None
 
     def tensor(self, t: dict[str, Any]) -> torch.Tensor:
@@ -104,7 +107,7 @@ class ShardFiles:
 
     def _reader(self, file: str) -> CheckpointReader:
         if file not in self._open:
-            full = join(self.path, file)
+            full = self.store.join(self.path, file)
             if not self.store.exists(full):
                 raise CorruptCheckpointError(f"shard file {file}, named in the checkpoint's {METADATA_NAME}, is "
                                              "missing", full)
@@ -138,13 +141,15 @@ def _as_torch(raw: np.ndarray, info: TensorInfo) -> torch.Tensor:
 class OrtStorageReader(StorageReader):
     """DCP's ``StorageReader`` of ours (public as ``lightning_ort_ckpt.dcp.OrtStorageReader``): reads only the items
     the load plan asks for, each tensor's checksum verified; non-tensor items are handed to the planner as the
-    values they were (never through a pickle). ``doc``: the metadata document, when the caller read it already."""
+    values they were (never through a pickle). ``doc``: the metadata document, when the caller read it already;
+    ``store``: the store of ``path``, when the caller built it already (else one is built from ``storage_options``,
+    once)."""
 
     def __init__(self, path: str | os.PathLike[str], *, storage_options: StorageOptions | None = None,
-                 doc: dict[str, Any] | None = None) -> None:
+                 doc: dict[str, Any] | None = None, store: Store | None = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
-        self.storage_options = storage_options
+        self.stores = Stores(storage_options, store)  # a store per backend, kept from load to load
         self.doc = doc
         self.metadata: Metadata | None = None
 
@@ -164,7 +169,7 @@ class OrtStorageReader(StorageReader):
         collectives (DCP asks for it when there is no global one)."""
         rank = kwargs.get("rank")
         doc = self.doc if self.doc is not None and rank is None else \
-            read_metadata(self.path, self.storage_options, rank)
+            read_metadata(self.path, self.stores.of(self.path), rank)
         if rank is None:
             self.doc = doc
         try:
@@ -185,7 +190,7 @@ class OrtStorageReader(StorageReader):
         assert self.metadata is not None, "DCP sets the reader up before it reads"
         storage = self.metadata.storage_data
         items = sorted(plan.items, key=lambda i: (storage[i.storage_index].file, storage[i.storage_index].name))
-        with ShardFiles(self.path, self.storage_options) as files:
+        with ShardFiles(self.path, self.stores.of(self.path)) as files:
             for item in items:
                 loc = storage[item.storage_index]
                 if item.type == LoadItemType.BYTE_IO:
@@ -213,7 +218,7 @@ class OrtStorageReader(StorageReader):
         path = os.fspath(checkpoint_id)
         with contextlib.suppress(Exception):
             store = store_for(path)
-            return any(store.read_head(join(path, name), len(HEAD)) == HEAD
+            return any(store.read_head(store.join(path, name), len(HEAD)) == HEAD
                        for name in (METADATA_NAME, rank_metadata_name(0)))
         return False
 

@@ -23,12 +23,13 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ._dcp_folder import METADATA_NAME, is_sharded_checkpoint, join, read_metadata
+from ._dcp_folder import METADATA_NAME, is_sharded_checkpoint, read_metadata
 from ._dcp_metadata import dtype_of
 from ._dcp_reader import OrtStorageReader, ShardFiles
 from ._dcp_writer import OrtStorageWriter, tree_writer
 from ._translation import values
 from .errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
+from .format._store import Store, store_for
 
 __all__ = ["METADATA_NAME", "OrtStorageReader", "OrtStorageWriter", "ShardFiles", "dtype_of", "flatten",
            "is_sharded_checkpoint", "load_sharded", "read_metadata", "save_flat", "save_sharded"]
@@ -55,18 +56,17 @@ def _flatten(state: dict[str, Any], path: str, error: type[CheckpointError]) -> 
     return values.encode(state, sink), flat
 
 
-def save_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str, Any] | None = None,
-                 process_group: Any = None) -> None:
+def save_sharded(state: dict[str, Any], path: str, *, store: Store | None = None, process_group: Any = None) -> None:
     """Every rank calls it with its own state (leaves: ``torch.Tensor``, DTensor, or any value ``_translation.values``
     encodes; nested dicts and lists as in Lightning checkpoint dicts and optimizer state dicts). DCP plans (replicated
     tensors saved once), each rank writes its shards, the coordinator (rank 0) writes the metadata last: the directory
     is a checkpoint only once that file exists. Non-tensor leaves are taken from rank 0. Works without a process group
     (one process). Raises :class:`CheckpointSaveError` naming the path on failure, leaving the path as it was (no
     folder where there was none); an existing checkpoint of the same path is replaced only once the new one is
-    complete."""
+    complete. ``store``: the store of ``path`` (None: the one :func:`~.format._store.store_for` gives)."""
     path = os.fspath(path)
     tree, flat = flatten(state, path)
-    save_flat(tree, flat, path, storage_options=storage_options, process_group=process_group)
+    save_flat(tree, flat, path, store=store if store is not None else store_for(path), process_group=process_group)
 
 
 def flatten(state: dict[str, Any], path: str) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -75,10 +75,9 @@ def flatten(state: dict[str, Any], path: str) -> tuple[Any, dict[str, torch.Tens
     return _flatten(state, os.fspath(path), CheckpointSaveError)
 
 
-def save_flat(tree: Any, flat: dict[str, torch.Tensor], path: str, *, storage_options: dict[str, Any] | None = None,
-              process_group: Any = None) -> None:
-    """:func:`save_sharded` of what :func:`flatten` gave."""
-    writer = tree_writer(path, tree, storage_options=storage_options)
+def save_flat(tree: Any, flat: dict[str, torch.Tensor], path: str, *, store: Store, process_group: Any = None) -> None:
+    """:func:`save_sharded` of what :func:`flatten` gave, on ``store``."""
+    writer = tree_writer(path, tree, store)
     try:
         with _quiet():
             dcp_save(flat, storage_writer=writer, planner=DefaultSavePlanner(flatten_state_dict=False),
@@ -118,8 +117,8 @@ def _reported(e: CheckpointException, path: str, kind: type[CheckpointError], wh
     return kind(f"{what} on rank {rank}: {type(exc).__name__}: {exc}", path)
 
 
-def load_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str, Any] | None = None,
-                 process_group: Any = None, others: bool = True) -> dict[str, Any]:
+def load_sharded(state: dict[str, Any], path: str, *, store: Store | None = None, process_group: Any = None,
+                 others: bool = True) -> dict[str, Any]:
     """Every rank calls it. Fills every tensor leaf of ``state`` (Tensor or DTensor) IN PLACE from the checkpoint,
     resharded by DCP's planner (another world size works), and returns the whole saved tree with the tensors of
     ``state`` in their places and every saved non-tensor value decoded (keys absent from ``state`` included, so the
@@ -129,7 +128,8 @@ def load_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str,
     caller that looks at them before it asks for tensors). Raises :class:`CorruptCheckpointError` naming the file on
     damage (checksums are verified)."""
     path = os.fspath(path)
-    doc = read_metadata(path, storage_options)
+    store = store if store is not None else store_for(path)
+    doc = read_metadata(path, store)
     _, asked = _flatten(state, path, CheckpointError)
     saved = doc["tensors"]
     missing = sorted(asked.keys() - saved.keys())
@@ -144,7 +144,7 @@ def load_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str,
              if others and fqn not in asked and len(t["chunks"]) == 1 and t["chunks"][0]["sizes"] == t["size"]}
     try:
         with _quiet():
-            dcp_load({**asked, **whole}, storage_reader=OrtStorageReader(path, storage_options=storage_options, doc=doc),
+            dcp_load({**asked, **whole}, storage_reader=OrtStorageReader(path, store=store, doc=doc),
                      planner=DefaultLoadPlanner(flatten_state_dict=False), process_group=process_group,
                      no_dist=_no_dist())
     except CheckpointException as e:
@@ -155,5 +155,5 @@ def load_sharded(state: dict[str, Any], path: str, *, storage_options: dict[str,
         return values.decode(doc["tree"], lambda key: cast(torch.Tensor, tensors.get(key)))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CorruptCheckpointError(f"damaged metadata: the saved tree does not decode ({e})",
-                                     join(path, METADATA_NAME)) from None
+                                     store.join(path, METADATA_NAME)) from None
 

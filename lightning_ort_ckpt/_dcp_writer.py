@@ -22,14 +22,14 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _dcp_metadata
-from ._dcp_folder import (METADATA_NAME, CommitUnknownError, commit_unknown, is_ours, join, rank_metadata_name,
+from ._dcp_folder import (METADATA_NAME, CommitUnknownError, commit_unknown, is_ours, rank_metadata_name,
                           remove_other_saves, shard_name)
 from ._dcp_metadata import Location
 from ._dcp_staging import ShardStager, prepare_tree, stage_tree
 from ._translation import values
 from .errors import CheckpointError, CheckpointSaveError
 from .format import CheckpointContents, save_checkpoint
-from .format._store import StorageOptions, Store, store_for
+from .format._store import StorageOptions, Store, Stores, store_for
 
 __all__ = ["OrtStorageWriter"]
 
@@ -39,7 +39,8 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
     ODTC file of its items (tensor chunks, and each non-tensor item as a uint8 tensor: no pickle), with a checksum
     per tensor; the coordinator writes the JSON metadata last, atomically, then removes the files of the save it
     replaced. ``overwrite=False`` refuses a path that holds a checkpoint; ``thread_count`` is accepted for
-    ``FileSystemWriter``'s signature (one file per rank, streamed once: see docs/dcp.md).
+    ``FileSystemWriter``'s signature (one file per rank, streamed once: see docs/dcp.md). ``store``: the store of
+    ``path`` where the caller built it already (else one is built from ``storage_options``, once).
 
     As DCP's stager (``dcp.async_save(state, storage_writer=writer)``): the state is copied into CPU memory the
     writer keeps from save to save (allocated by the first, or ahead of it by :meth:`allocate_staging`, reused by the
@@ -48,11 +49,11 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike[str], *, storage_options: StorageOptions | None = None,
-                 overwrite: bool = True, thread_count: int = 1) -> None:
+                 overwrite: bool = True, thread_count: int = 1, store: Store | None = None) -> None:
         super().__init__()
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be a positive int, not {thread_count!r}")
-        self.storage_options = storage_options
+        self.stores = Stores(storage_options, store)  # a store per backend, kept from save to save
         self.overwrite = overwrite
         self.thread_count = thread_count
         self._tree: Any = None  # save_sharded's encoded values (:func:`tree_writer`); DCP users give none
@@ -84,7 +85,7 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
         """A new save: to ``checkpoint_id`` when given (DCP's ``save(..., checkpoint_id=)``), else to the same path."""
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-            self.store = store_for(self.path, self.storage_options)
+            self.store = self.stores.of(self.path)
         self.save_id = secrets.token_hex(8)
         self.files: list[str] = []
         self.written: str | None = None
@@ -105,11 +106,11 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
         self.existed = self.store.exists(self.path)  # before any rank of this save wrote into it
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        if not self.overwrite and any(self.store.exists(join(self.path, name))
+        if not self.overwrite and any(self.store.exists(self.store.join(self.path, name))
                                       for name in (METADATA_NAME, rank_metadata_name(self.rank))):
             raise CheckpointSaveError("Checkpoint already exists here and the writer has overwrite=False", self.path)
         if not self.use_collectives:
-            if self.store.exists(join(self.path, METADATA_NAME)):
+            if self.store.exists(self.store.join(self.path, METADATA_NAME)):
                 raise CheckpointSaveError(f"a save without collectives (use_collectives=False) would leave this "
                                           f"checkpoint's {METADATA_NAME} naming shards of another save; save to "
                                           "another path or remove it", self.path)
@@ -143,7 +144,7 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
                 contents.frozen[loc.name] = tensor
                 size = tensor.numel() * tensor.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=loc))
-        self.written = join(self.path, name)
+        self.written = self.store.join(self.path, name)
         save_checkpoint(contents, self.written, store=self.store)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
@@ -184,7 +185,7 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
         metadata.storage_meta = metadata.storage_meta or self.storage_meta()
         data = _dcp_metadata.encoded(_dcp_metadata.document(metadata, where, self.files, self._tree))
         name = METADATA_NAME if self.use_collectives else rank_metadata_name(self.rank)
-        meta = join(self.path, name)
+        meta = self.store.join(self.path, name)
         try:
             with self.store.writing(meta, with_data=False, required_bytes=len(data)) as files:
                 files.main.write(data)
@@ -224,16 +225,17 @@ class OrtStorageWriter(StorageWriter, AsyncStager):
             store = store_for(path)
             if not store.exists(path):
                 return True
-            if store.read_head(path, 1) or store.exists(join(path, ".metadata")):
+            if store.read_head(path, 1) or store.exists(store.join(path, ".metadata")):
                 return False  # a file, or DCP's own checkpoint
             return all(is_ours(name) for name in store.list_files(path, recursive=False))
         except Exception:  # noqa: BLE001 - a path we cannot look at is none we can tell is ours
             return False
 
 
-def tree_writer(path: str, tree: Any, *, storage_options: StorageOptions | None = None) -> OrtStorageWriter:
-    """The writer of ``_dcp_storage.save_flat``: its metadata also holds ``tree``, the save's values encoded (the
-    coordinator's is kept). Not a parameter of :class:`OrtStorageWriter`: DCP users never give one."""
-    writer = OrtStorageWriter(path, storage_options=storage_options)
+def tree_writer(path: str, tree: Any, store: Store) -> OrtStorageWriter:
+    """The writer of ``_dcp_storage.save_flat``, on ``store`` (its caller's): its metadata also holds ``tree``, the
+    save's values encoded (the coordinator's is kept). Not a parameter of :class:`OrtStorageWriter`: DCP users never
+    give one."""
+    writer = OrtStorageWriter(path, store=store)
     writer._tree = tree
     return writer

@@ -24,33 +24,33 @@ from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from .errors import CheckpointError
-from .format._store import StorageOptions, store_for
+from .format._store import StorageOptions, Store, Stores
 
 M = TypeVar("M")
 
 
-def is_folder(path: str | os.PathLike[str]) -> bool:
-    """A local directory, or a URL naming no file (perhaps a sharded checkpoint's folder)."""
+def is_folder(path: str | os.PathLike[str], store: Store) -> bool:
+    """A local directory, or a URL naming no file (perhaps a sharded checkpoint's folder), on its ``store``."""
     path = os.fspath(path)
-    store = store_for(path)
     if store.local:
         return store.is_directory(path)
     return store.exists(path) and not store.read_head(path, 1)
 
 
 @contextlib.contextmanager
-def single_file(path: str | os.PathLike[str]) -> Iterator[str]:
+def single_file(path: str | os.PathLike[str], stores: Stores | None = None) -> Iterator[str]:
     """``path``, or a sharded checkpoint folder consolidated into a temporary ORT file for the block (needs torch,
-    which wrote it). A folder without its ``checkpoint.ort-meta``, or with a damaged one, is an error naming it."""
-    path = os.fspath(path)
-    if not is_folder(path):
+    which wrote it). A folder without its ``checkpoint.ort-meta``, or with a damaged one, is an error naming it.
+    ``stores``: the caller's, which then has the store of what it yields too."""
+    path, stores = os.fspath(path), stores if stores is not None else Stores()
+    if not is_folder(path, stores.of(path)):
         yield path
         return
     from ._consolidate import single_file as consolidated
     from ._dcp_folder import read_metadata
 
-    read_metadata(path)
-    with consolidated(path) as single:
+    read_metadata(path, stores.of(path))
+    with consolidated(path, stores) as single:
         yield single
 
 
@@ -60,14 +60,15 @@ def load(path: str | os.PathLike[str], map_location: Any = None,
     (checksums verified), a sharded checkpoint folder, or a torch ``.ckpt`` (``weights_only=True``: no code in it
     runs); ``path`` may be an fsspec URL. ``map_location`` as ``torch.load``'s. A path where nothing is is our
     error saying so (not that a file is damaged)."""
-    if not store_for(os.fspath(path), storage_options).exists(os.fspath(path)):
+    path, stores = os.fspath(path), Stores(storage_options)  # built here, once: every read below goes through it
+    if not stores.of(path).exists(path):
         raise CheckpointError("no such file or folder: nothing to load", path)
     from ._reading import is_ort_checkpoint, load_ort_for_lightning, map_location_of, read_any_checkpoint
 
-    with single_file(path) as single:
-        if is_ort_checkpoint(single, storage_options):
-            return load_ort_for_lightning(single, map_location)
-        return map_location_of(read_any_checkpoint(single, storage_options), map_location)
+    with single_file(path, stores) as single:
+        if is_ort_checkpoint(single, stores.of(single)):
+            return load_ort_for_lightning(single, map_location, stores.of(single))
+        return map_location_of(read_any_checkpoint(single, stores.of(single)), map_location)
 
 
 def load_from_checkpoint(cls: type[M], path: str | os.PathLike[str], **kwargs: Any) -> M:

@@ -29,7 +29,7 @@ from ._namespaces import namespace_of
 from .errors import CheckpointWarning
 from .format import data_path
 from .format._atomic import FOLDER_COMMIT_NAME
-from .format._store import store_for
+from .format._store import Stores
 
 _SENT: weakref.WeakKeyDictionary[Any, dict[str, float]] = weakref.WeakKeyDictionary()
 """Per logger: the checkpoints whose other files we logged, with the modification time of the file then."""
@@ -73,8 +73,8 @@ def _is_wandb(logger: Any) -> bool:
 
 def logged_checkpoints(callback: Any) -> list[str]:
     """The checkpoints a logger logs for ``callback``: its last, its best and its top k (local ones only)."""
-    paths = {callback.last_model_path, callback.best_model_path, *callback.best_k_models}
-    return sorted(p for p in paths if p and store_for(p).local)
+    paths, stores = {callback.last_model_path, callback.best_model_path, *callback.best_k_models}, Stores()
+    return sorted(p for p in paths if p and stores.of(p).local)  # one store asked, not one built per path
 
 
 def unit_time(path: str) -> float | None:

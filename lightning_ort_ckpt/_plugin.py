@@ -40,15 +40,14 @@ from typing import Any, Literal
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import _fabric, _lightning_adapter, _promotion, _rng, _sharing, _signals, _staging, _strategies, _train_start
+from . import (_fabric, _lightning_adapter, _promotion, _save_contents, _sharing, _signals, _staging, _strategies,
+               _train_start)
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._namespaces import loaded
 from ._reading import is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
-from ._rng import RNG_KEY
-from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents
-from .format._store import StorageOptions, Store, local_path, store_for, wait_for_cleanup
+from .format._store import StorageOptions, Store, Stores, local_path, wait_for_cleanup
 from .format._writer import ExternalData
 
 _EXTERNAL_DATA = ("auto", "never", "params", "all")
@@ -118,10 +117,19 @@ class OrtCheckpointIOMixin:
         return {k: getattr(self, k) for k in _SETTINGS}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        async_save = state.pop("async_save")
+        async_save, self.storage_options = state.pop("async_save"), state.pop("storage_options", None)
         state.setdefault("fast_forward_iterables", False)
         self.__dict__.update(state)
         self._start(async_save)
+
+    @property
+    def storage_options(self) -> StorageOptions | None:
+        return self.stores.storage_options
+
+    @storage_options.setter
+    def storage_options(self, value: StorageOptions | None) -> None:
+        """New options, new stores: each built at its first path and kept (``format._store.Stores``)."""
+        self.stores = Stores(value)
 
     @property
     def async_save(self) -> bool:
@@ -133,9 +141,6 @@ class OrtCheckpointIOMixin:
         self.wait()
         self._executor = self._executors[bool(value)]
 
-    def _options(self, extra: Any | None = None) -> StorageOptions:
-        return {**(self.storage_options or {}), **(extra or {})}
-
     # -- saving -------------------------------------------------------------------------------------------------
     @_signals.guarded(defer=True)
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
@@ -143,19 +148,21 @@ class OrtCheckpointIOMixin:
         self._raise_background_error()
         if _lightning_adapter.launcher_weights(path, checkpoint):
             return _save_torch(checkpoint, path)  # Lightning's launcher hands weights to the main process
-        options = self._options(storage_options)
         target = local_path(path)
         path = (self._promotion(target) if self._promotion else None) or target  # a fast-tier path first, copied
-        ck, strategy = self._contents(checkpoint, path)
+        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
+        strategy = self._owner_strategy(checkpoint.get("state_dict")) if fabric is None else None
+        ck, strategy = _save_contents.ort_contents(checkpoint, path, fabric, strategy, self.data_position,
+                                                   self.ort_compatible)
         module = strategy.lightning_module if strategy is not None else None
-        store = store_for(path, options)
+        store = self.stores.of(path, storage_options)
         decided = self._sharing.decide(ck, path, module if self.share_frozen else None, self.external_data, store)
         ck, keep = self._executor.own(
             ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
             module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, decided.keep)
         self._executor.run(decided.write, ck, path, keep, store)
         if path != target:
-            self._executor.run(_promotion.copy_verified, path, target, store_for(target, options))
+            self._executor.run(_promotion.copy_verified, path, target, self.stores.of(target, storage_options))
         if _signals.must_be_durable(target):  # Lightning's requeue save: the job is requeued, and killed, next
             self.wait()
 
@@ -164,25 +171,6 @@ class OrtCheckpointIOMixin:
         and then copied to its path (``_promotion``); None: saves go where they are asked to."""
         self._promotion = source
 
-    def _contents(self, checkpoint: dict[str, Any], path: str) -> tuple[CheckpointContents, Any]:
-        """What is saved, as ORT contents, and the strategy whose live module holds its tensors (None for a gathered
-        copy of a sharded module, Fabric's state, or a module not known: nothing to share with or defer to)."""
-        fabric = self._fabric.layout(checkpoint) if self._fabric is not None else None
-        if fabric is not None:  # no random states: Fabric leaves them to the script
-            return to_ort(fabric[0], fabric[1], ort_compatible=self.ort_compatible), None
-        strategy = self._owner_strategy(checkpoint.get("state_dict"))
-        checkpoint = {**checkpoint, RNG_KEY: _rng.capture(), **self.data_position()}
-        if strategy is None or strategy.lightning_module is None:
-            warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
-                          "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "
-                          "all are saved as frozen, and optimizer state by index. ORT can load the file but not train "
-                          "from it; save through trainer.save_checkpoint (or fabric.save) for one it trains from.",
-                          CheckpointWarning, stacklevel=3)
-            return to_ort(checkpoint, None, ort_compatible=self.ort_compatible), None
-        info = ModuleInfo.from_module(strategy.lightning_module, list(strategy.optimizers))
-        return (to_ort(checkpoint, info, ort_compatible=self.ort_compatible),
-                None if _strategies.gathers(strategy) else strategy)
-
     # -- loading ------------------------------------------------------------------------------------------------
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -190,11 +178,12 @@ class OrtCheckpointIOMixin:
         path = local_path(path)
         held, self._held = self._held, None
         found = held[1] if held is not None and held[0] == path else None
-        if found is None and not is_ort_checkpoint(path, self.storage_options):
+        store = self.stores.of(path)
+        if found is None and not is_ort_checkpoint(path, store):
             return read_torch_file(path, map_location, weights_only)
         strategy = self._owner_strategy()
         if found is None:
-            found = read_contents(path, self.storage_options)
+            found = read_contents(path, store)
         checkpoint = to_lightning(found, path, strategy) if isinstance(found, CheckpointContents) else found
         return _fabric.fabric_state(map_location_of(self.loaded(checkpoint, path), map_location))
 
@@ -229,7 +218,7 @@ class OrtCheckpointIOMixin:
         which stays, and training goes on."""
         self._raise_background_error()
         path = local_path(path)
-        self._executor.run(self._retire, store_for(path, self.storage_options), path)
+        self._executor.run(self._retire, self.stores.of(path), path)
 
     def _retire(self, store: Store, path: str) -> None:
         """Remove through the store, first keeping a reserve of a shared ``.data`` that is a copy's last name."""
@@ -243,7 +232,7 @@ class OrtCheckpointIOMixin:
         store without links (``s3://``...), a copy of it."""
         self._raise_background_error()
         target, linkpath = local_path(target), local_path(linkpath)
-        self._executor.run(store_for(linkpath, self.storage_options).link_or_copy, target, linkpath)
+        self._executor.run(self.stores.of(linkpath).link_or_copy, target, linkpath)
 
     @_signals.guarded(defer=False)
     def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -300,7 +289,8 @@ class OrtCheckpointIOMixin:
         self._attachment = _strategies.attach(strategy, self)
         self._unwrap = self._attachment.undo if self._attachment is not None else None
         self._train_start.bind(strategy, self.fast_forward_iterables, _arming(self._executors[True], self._attachment))
-        self._executors[True].prepare(self._staged_sources)  # allocates only while async_save is on
+        self._executors[True].prepare(  # allocates only while async_save is on
+            lambda: _save_contents.staged_sources(self._owner_strategy()) if self.async_save else None)
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
         """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
@@ -312,17 +302,6 @@ class OrtCheckpointIOMixin:
             return
         self.bind(strategy)
         self._unwrap = self._attachment.close if self._attachment is not None else None
-
-    def _staged_sources(self) -> tuple[list[Any], list[Any]] | None:
-        """What an asynchronous save will stage (the module's tensors, the optimizers), for the stager to allocate
-        its memory ahead of the first save; None while saves are synchronous, and under the strategies whose state
-        is sharded or gathered (``_strategies``: reading it is a collective, which a thread must not start)."""
-        if not self.async_save:
-            return None
-        strategy = self._owner_strategy()
-        if strategy is None or strategy.lightning_module is None or _strategies.gathers(strategy):
-            return None
-        return list(strategy.lightning_module.state_dict(keep_vars=True).values()), list(strategy.optimizers)
 
 
 def _save_torch(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:

@@ -28,20 +28,26 @@ from ._translation.optimizers import torch_state_from_ort
 from .errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from .format import GROUP_ZERO, CheckpointContents, load_checkpoint, open_checkpoint
 from .format._schema import FILE_IDENTIFIER
-from .format._store import StorageOptions, store_for
+from .format._store import Store, store_for
 
 
-def is_ort_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
-    """Whether ``path`` (a file or an fsspec URL) holds an ORT checkpoint (by its file identifier, not its name)."""
+def is_ort_checkpoint(path: str | os.PathLike[str], store: Store | None = None) -> bool:
+    """Whether ``path`` (a file or an fsspec URL) holds an ORT checkpoint (by its file identifier, not its name).
+    ``store``: the store of ``path`` (here and below), built by whoever knew the location first; None: a store
+    without options (a local path, or Lightning's loader asking about one)."""
     path = os.fspath(path)
-    return store_for(path, storage_options).read_head(path, 8)[4:8] == FILE_IDENTIFIER
+    return _store(path, store).read_head(path, 8)[4:8] == FILE_IDENTIFIER
 
 
-def read_contents(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> CheckpointContents:
+def read_contents(path: str | os.PathLike[str], store: Store | None = None) -> CheckpointContents:
     """Every tensor of an ORT file, verified against its checksums, in memory of its own (downloaded once for a URL)."""
     path = os.fspath(path)
-    with store_for(path, storage_options).fetched(path) as local:
+    with _store(path, store).fetched(path) as local:
         return load_checkpoint(local)
+
+
+def _store(path: str, store: Store | None) -> Store:
+    return store if store is not None else store_for(path)
 
 
 def to_lightning(ck: CheckpointContents, path: str, strategy: Any = None) -> dict[str, Any]:
@@ -69,10 +75,10 @@ def to_lightning(ck: CheckpointContents, path: str, strategy: Any = None) -> dic
 
 
 def read_lightning_checkpoint(path: str | os.PathLike[str], strategy: Any = None,
-                              storage_options: StorageOptions | None = None) -> dict[str, Any]:
+                              store: Store | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file (see :func:`to_lightning`)."""
     path = os.fspath(path)
-    return to_lightning(read_contents(path, storage_options), path, strategy)
+    return to_lightning(read_contents(path, store), path, strategy)
 
 
 class _OptimizerStatesFromOrt(Sequence):
@@ -110,25 +116,27 @@ class _OptimizerStatesFromOrt(Sequence):
         return iter(self._states())
 
 
-def read_any_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> dict[str, Any]:
+def read_any_checkpoint(path: str | os.PathLike[str], store: Store | None = None) -> dict[str, Any]:
     """The Lightning checkpoint dict of an ORT file or of a torch ``.ckpt`` (Lightning's own format, loaded with
     ``weights_only=True``: no code in it runs), for artifacts; ``path`` may be an fsspec URL."""
-    if is_ort_checkpoint(path, storage_options):
-        return read_lightning_checkpoint(path, storage_options=storage_options)
-    return _read_torch_checkpoint(path, storage_options, mmap=False)
+    store = _store(os.fspath(path), store)
+    if is_ort_checkpoint(path, store):
+        return read_lightning_checkpoint(path, store=store)
+    return _read_torch_checkpoint(path, store, mmap=False)
 
 
-def read_weights(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> dict[str, Any]:
+def read_weights(path: str | os.PathLike[str], store: Store | None = None) -> dict[str, Any]:
     """As :func:`read_any_checkpoint`, without ``optimizer_states``, for export: reads the module's tensors once,
     lazily, and none of the optimizer's (an ORT file's tensors are views of the mapped file, verified as they are
     read; a torch file is memory-mapped, ``torch.load(mmap=True)``)."""
     path = os.fspath(path)
-    if is_ort_checkpoint(path, storage_options):
-        with store_for(path, storage_options).fetched(path) as local:
+    store = _store(path, store)
+    if is_ort_checkpoint(path, store):
+        with store.fetched(path) as local:
             with open_checkpoint(local, verify=True) as reader:
                 ck = reader.module_state()
         return from_ort(ck, path, optimizer_states=False) if MANIFEST in ck.properties else to_lightning(ck, path)
-    checkpoint = _read_torch_checkpoint(path, storage_options, mmap=True)
+    checkpoint = _read_torch_checkpoint(path, store, mmap=True)
     checkpoint.pop("optimizer_states", None)
     return checkpoint
 
@@ -141,11 +149,10 @@ def read_torch_file(path: str | os.PathLike[str], map_location: Any = None,
     return load_torch_file(torch_io().load_checkpoint, path, map_location, weights_only)
 
 
-def _read_torch_checkpoint(path: str | os.PathLike[str], storage_options: StorageOptions | None,
-                           mmap: bool) -> dict[str, Any]:
+def _read_torch_checkpoint(path: str | os.PathLike[str], store: Store, mmap: bool) -> dict[str, Any]:
     path = os.fspath(path)
     try:
-        with store_for(path, storage_options).fetched(path) as local:
+        with store.fetched(path) as local:
             checkpoint = torch.load(local, map_location="cpu", weights_only=True, mmap=mmap)
     except CheckpointError:  # a remote file that cannot be fetched: ours already, naming it
         raise
@@ -157,10 +164,11 @@ def _read_torch_checkpoint(path: str | os.PathLike[str], storage_options: Storag
     return checkpoint
 
 
-def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = None) -> dict[str, Any]:
+def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = None,
+                           store: Store | None = None) -> dict[str, Any]:
     """An ORT file as Lightning's loader returns a checkpoint (for ``load_from_checkpoint``, see
     ``_lightning_adapter.OrtLoading``): no random states left in."""
-    checkpoint = read_lightning_checkpoint(path)
+    checkpoint = read_lightning_checkpoint(path, store=store)
     checkpoint.pop(RNG_KEY, None)
     checkpoint.pop(DATA_KEY, None)
     return map_location_of(checkpoint, map_location)

@@ -28,7 +28,7 @@ from .errors import CheckpointError, CheckpointWarning
 from .format import open_checkpoint
 from .format._atomic import DATA_SUFFIX, FOLDER_COMMIT_NAME
 from .format._schema import FILE_IDENTIFIER
-from .format._store import StorageOptions, Store
+from .format._store import Store
 
 
 class Kind(Enum):
@@ -57,14 +57,14 @@ class Entry:
     size: int | None = None  # bytes, with its .data or everything in the folder; None unless asked for
 
 
-def scan(directory: str, store: Store, storage_options: StorageOptions | None = None, *, extension: str = ".ckpt",
-         recursive: bool = False, last_name: str = "last", sizes: bool = False) -> list[Entry]:
+def scan(directory: str, store: Store, *, extension: str = ".ckpt", recursive: bool = False, last_name: str = "last",
+         sizes: bool = False) -> list[Entry]:
     """Every visible entry of ``directory`` (and below it where ``recursive``; never inside a checkpoint folder):
     committed checkpoints newest first, then half-written ones, then foreign ones. ``store`` is ``directory``'s,
-    built with ``storage_options``."""
+    built by the caller (every file and folder is read through it)."""
     folders = store.list_folders(directory, recursive)
     checkpoints = [d for d in folders if d.endswith(extension) and not _inside_any(d, folders, extension)]
-    entries = [_folder(store, d, storage_options) for d in checkpoints]
+    entries = [_folder(store, d) for d in checkpoints]
     for path in store.list_files(directory, recursive):
         if _inside_any(path, checkpoints, extension) or (path.endswith(DATA_SUFFIX)
                                                          and path[:-len(DATA_SUFFIX)].endswith(extension)):
@@ -101,7 +101,7 @@ def _inside_any(path: str, folders: list[str], extension: str) -> bool:
                for sep in ("/", os.sep))
 
 
-def _folder(store: Store, path: str, storage_options: StorageOptions | None) -> Entry:
+def _folder(store: Store, path: str) -> Entry:
     meta = store.join(path, FOLDER_COMMIT_NAME)
     if not store.exists(meta):
         return Entry(path, Kind.FOLDER, State.HALF, saved=store.modified(path))
@@ -109,7 +109,7 @@ def _folder(store: Store, path: str, storage_options: StorageOptions | None) -> 
 
     step = epoch = problem = None
     try:
-        tree = read_metadata(path, storage_options).get("tree")
+        tree = read_metadata(path, store).get("tree")
         step, epoch = _counter(tree, "global_step"), _counter(tree, "epoch")
     except CheckpointError:
         problem = f"a checkpoint folder whose {FOLDER_COMMIT_NAME} is damaged"

@@ -25,7 +25,7 @@ from ._translation import MANIFEST
 from .errors import CheckpointError, CheckpointWarning
 from .format import CheckpointContents
 from .format._shared_data import damage_note
-from .format._store import StorageOptions, store_for
+from .format._store import Store
 
 ResumeFallback = Literal["raise", "scratch"]
 """What ``fit(ckpt_path="last")`` does when the directory holds checkpoints and none can be resumed: raise (the
@@ -51,10 +51,10 @@ class LastChoice:
         return (self.path, self.folder) == (other.path, other.folder)
 
 
-def resolve_last(entries: list[_registry.Entry], *, rank_zero: bool, io: Holder,
-                 storage_options: StorageOptions | None, module: Any = None) -> LastChoice:
+def resolve_last(entries: list[_registry.Entry], *, rank_zero: bool, io: Holder, store_of: Callable[[str], Store],
+                 module: Any = None) -> LastChoice:
     """The newest committed checkpoint of ``entries`` that can resume a fit of ``module`` (see the module doc); on
-    rank 0 a warning names each one skipped and why."""
+    rank 0 a warning names each one skipped and why. ``store_of``: the caller's store of a path (one per tier)."""
     problems: list[tuple[str, str]] = []
     usable = [e for e in _registry.committed(entries) if e.problem is None]
     for entry in _registry.committed(entries):
@@ -66,7 +66,7 @@ def resolve_last(entries: list[_registry.Entry], *, rank_zero: bool, io: Holder,
         if entry.kind is _registry.Kind.FOLDER or not rank_zero:
             return LastChoice(entry.path, entry.kind is _registry.Kind.FOLDER, rest, tuple(problems))
         try:
-            found = resumable(entry.path, storage_options)
+            found = resumable(entry.path, store_of(entry.path))
             misfit = _misfit(found, module)
             if misfit:
                 raise CheckpointError(f"its weights do not fit the module being fit: {misfit}", entry.path)
@@ -109,8 +109,7 @@ def _relative(path: str, directory: str) -> str:
     return path
 
 
-def adopt(mine: LastChoice | None, agreed: LastChoice | None, io: Holder,
-          storage_options: StorageOptions | None) -> bool:
+def adopt(mine: LastChoice | None, agreed: LastChoice | None, io: Holder, store_of: Callable[[str], Store]) -> bool:
     """Whether this rank resumes from the checkpoint rank 0 resolved "last" to (``agreed``). Where this rank's
     listing chose another file (one rank 0 found damaged or weights only), the plugin is handed what rank 0's file
     holds (one read) for the load Lightning does of this rank's path; a folder, or no checkpoint on one side,
@@ -122,7 +121,7 @@ def adopt(mine: LastChoice | None, agreed: LastChoice | None, io: Holder,
     if not (mine.path and agreed.path) or mine.folder or agreed.folder:
         return False
     try:
-        found = resumable(agreed.path, storage_options)
+        found = resumable(agreed.path, store_of(agreed.path))
     except (CheckpointError, OSError):
         return False
     io.hold(mine.path, found)
@@ -159,20 +158,20 @@ def falling_back(load: Callable[[str], Any], choice: LastChoice, agree: Callable
     return load_or_fall_back
 
 
-def resumable(path: str, storage_options: StorageOptions | None) -> CheckpointContents | dict[str, Any]:
+def resumable(path: str, store: Store) -> CheckpointContents | dict[str, Any]:
     """What ``path`` holds, read once in full (every tensor checked against its checksum, the Lightning metadata
     decoded: the plugin's load takes the decoded dict as it is), if a fit can resume from it; else our error saying
     why. A torch file must load with ``weights_only=True``. A file ORT wrote alone is held as its contents: the
     plugin builds its optimizer state from them and the live optimizers when it loads it."""
     with warnings.catch_warnings():  # what the resume itself will say, said once
         warnings.simplefilter("ignore")
-        if not is_ort_checkpoint(path, storage_options):
+        if not is_ort_checkpoint(path, store):
             import torch  # loaded with Lightning by now
 
-            with store_for(path, storage_options).fetched(path) as local:
+            with store.fetched(path) as local:
                 found: Any = load_torch_file(torch.load, local, "cpu", True)
         else:
-            found = read_contents(path, storage_options)
+            found = read_contents(path, store)
             if MANIFEST not in found.properties:
                 return found
             found = to_lightning(found, path)
@@ -228,11 +227,10 @@ class Resumption:
         self.choice: LastChoice | None = None
 
     def find(self, entries: list[_registry.Entry], directory: str, *, rank_zero: bool, alone: bool, io: Holder,
-             storage_options: StorageOptions | None, module: Any = None) -> str | None:
+             store_of: Callable[[str], Store], module: Any = None) -> str | None:
         """Resolve "last" over ``entries`` for a fit of ``module`` (``alone``: one rank, which raises O1 at once;
         several ranks raise it together in :meth:`agree`)."""
-        self.choice = resolve_last(entries, rank_zero=rank_zero, io=io, storage_options=storage_options,
-                                   module=module)
+        self.choice = resolve_last(entries, rank_zero=rank_zero, io=io, store_of=store_of, module=module)
         if alone and self.unresumable(self.choice):
             raise unresumable(directory, self.choice)
         if self.choice.path is None and self.choice.problems and rank_zero:
@@ -248,11 +246,11 @@ class Resumption:
         return choice is not None and choice.path is None and bool(choice.problems) and self.fallback != "scratch"
 
     def agree(self, agree: Callable[[LastChoice | None, Callable[[LastChoice | None], bool]], LastChoice | None],
-              directory: str, io: Holder, storage_options: StorageOptions | None) -> None:
+              directory: str, io: Holder, store_of: Callable[[str], Store]) -> None:
         """Take rank 0's choice through ``agree`` (``_ranks.agree``, which raises where a rank cannot follow);
         every rank raises O1 together."""
         mine = self.choice
-        self.choice = agree(mine, lambda agreed: self.unresumable(agreed) or adopt(mine, agreed, io, storage_options))
+        self.choice = agree(mine, lambda agreed: self.unresumable(agreed) or adopt(mine, agreed, io, store_of))
         if self.unresumable(self.choice):
             raise unresumable(directory, self.choice)  # type: ignore[arg-type]
 

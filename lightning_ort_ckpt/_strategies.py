@@ -36,7 +36,7 @@ from ._rng import RNG_KEY
 from ._torch_compat import process_group_of, sharded_tensor_type
 from ._translation.lightning_dict import clean_name
 from .errors import CheckpointConfigError
-from .format._store import StorageOptions
+from .format._store import Stores
 
 if TYPE_CHECKING:
     from ._dcp_staging import ShardStager
@@ -44,14 +44,11 @@ if TYPE_CHECKING:
 class Plugin(Protocol):
     """What this module needs of an ``OrtCheckpointIO`` (layer 3: not imported here)."""
 
-    storage_options: StorageOptions | None
+    stores: Stores
+    """The store of each path, built once (a save's own ``storage_options``: one of its own)."""
 
     @property
     def async_save(self) -> bool: ...
-
-    def _options(self, extra: Any | None = None) -> StorageOptions:
-        """The plugin's fsspec options with a save's own ones (``extra``) merged over them."""
-        ...
 
     def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
@@ -130,9 +127,10 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
         from ._reading import is_ort_checkpoint
 
         path = str(strategy.broadcast(checkpoint_path))
-        if is_sharded_checkpoint(path, plugin.storage_options):
+        store = plugin.stores.of(path)
+        if is_sharded_checkpoint(path, store):
             return load_sharded_checkpoint(strategy, plugin, path)
-        if is_ort_checkpoint(path, plugin.storage_options):
+        if is_ort_checkpoint(path, store):
             return load_full_checkpoint(strategy, plugin, path)
         return original(checkpoint_path, weights_only)  # Lightning's own files: its DCP folders, torch files
 
@@ -190,17 +188,17 @@ def save_sharded_checkpoint(strategy: Any, plugin: Plugin, checkpoint: dict[str,
     state = {**checkpoint, **plugin.data_position(), WORLD_SIZE_KEY: strategy.world_size,
              RNG_KEY: {_rank_key(strategy.global_rank): pack_random_states(_rng.capture())}}
     tree, flat = flatten(as_dtensors(state), path)
-    options = plugin._options(storage_options)
+    store = plugin.stores.of(path, storage_options)
     if stager is None:
-        save_flat(tree, flat, path, storage_options=options)
+        save_flat(tree, flat, path, store=store)
     else:
-        plugin.run_in_order(_write_later, tree, stager.stage(flat), path, options, stager.group())
+        plugin.run_in_order(_write_later, tree, stager.stage(flat), path, store, stager.group())
 
 
-def _write_later(tree: Any, flat: dict[str, Any], path: str, options: Any, group: Any) -> None:
+def _write_later(tree: Any, flat: dict[str, Any], path: str, store: Any, group: Any) -> None:
     from ._dcp_storage import save_flat
 
-    save_flat(tree, flat, path, storage_options=options, process_group=group)
+    save_flat(tree, flat, path, store=store, process_group=group)
 
 
 def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, Any]:
@@ -212,8 +210,8 @@ def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[st
 
     from ._dcp_storage import load_sharded
 
-    options = plugin.storage_options
-    values = load_sharded({}, path, storage_options=options, others=False)  # the values only: no tensor is read
+    store = plugin.stores.of(path)
+    values = load_sharded({}, path, store=store, others=False)  # the values only: no tensor is read
     model, rank = strategy.model, strategy.global_rank
     fitting = _lightning_adapter.fitting(strategy)
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
@@ -224,7 +222,7 @@ def load_sharded_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[st
     if mine:
         state[RNG_KEY] = {_rank_key(rank): pack_random_states(_rng.capture())}
     # this run's shards (FSDP1's ShardedTensors filled through views), and the other tensors saved whole (scores...)
-    values = load_sharded(as_dtensors(state), path, storage_options=options)
+    values = load_sharded(as_dtensors(state), path, store=store)
     strict = strategy.lightning_module.strict_loading
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for opt, opt_state in zip(strategy.optimizers, state.get("optimizer_states", [])):

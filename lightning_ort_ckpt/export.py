@@ -34,7 +34,7 @@ from .errors import CheckpointError, CorruptCheckpointError
 from ._module_loading import init_params, load_module, unsaved_init_args
 from ._reading import is_ort_checkpoint, read_weights
 from .format import CheckpointReader, TensorInfo, _atomic, open_checkpoint
-from .format._store import StorageOptions, store_for
+from .format._store import StorageOptions, Stores
 from ._translation import MANIFEST
 from ._translation.lightning_dict import EXTRA_PREFIX, aliases_of
 
@@ -98,9 +98,9 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     """
     from ._consolidate import single_file
 
-    checkpoint, output = os.fspath(checkpoint), os.fspath(output)
-    with single_file(checkpoint) as source:  # a sharded directory: consolidated into a temporary file first
-        state = read_weights(source)
+    checkpoint, output, stores = os.fspath(checkpoint), os.fspath(output), Stores()  # one store per location
+    with single_file(checkpoint, stores) as source:  # a sharded directory: consolidated into a temporary file first
+        state = read_weights(source, stores.of(source))
         module = load_module(model, source, state, ExportError)
         monitor, score = _monitored_score(state)
         global_step = state.get("global_step")
@@ -117,7 +117,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
     if reference is not None:
         _check_is_reference(module, reference, args, expected, tolerance, hparams, hparams_name, checkpoint)
     output_names = output_names or default_names("output", len(expected))
-    source = store_for(checkpoint).absolute(checkpoint)
+    source = stores.of(checkpoint).absolute(checkpoint)
     metadata = {"lightning_ort_ckpt.source_checkpoint": source,
                 "lightning_ort_ckpt.global_step": "" if global_step is None else str(global_step),
                 "lightning_ort_ckpt.monitor": monitor or "", "lightning_ort_ckpt.score": "" if score is None else repr(score)}
@@ -185,19 +185,19 @@ def export_safetensors(checkpoint: str | os.PathLike[str], output: str | os.Path
     """
     from ._consolidate import single_file
 
-    checkpoint, output = os.fspath(checkpoint), os.fspath(output)
+    checkpoint, output, stores = os.fspath(checkpoint), os.fspath(output), Stores(storage_options)
     if max_shard_size < 1:
         raise ExportError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     prefix = prefix + "." if prefix and not prefix.endswith(".") else prefix
-    with single_file(checkpoint, storage_options) as source:
-        if not is_ort_checkpoint(source, storage_options):
+    with single_file(checkpoint, stores) as source:
+        if not is_ort_checkpoint(source, stores.of(source)):
             raise ExportError("not an ORT checkpoint: the safetensors export reads ORT files and sharded "
                               "folders (a torch .ckpt holds its state_dict for torch.load)", checkpoint)
-        with store_for(source, storage_options).fetched(source) as local, \
+        with stores.of(source).fetched(source) as local, \
                 open_checkpoint(local, verify=True) as reader:
             entries = _weight_entries(reader, prefix, checkpoint)
             files = _safetensors.write(entries, output, max_shard_size=max_shard_size, metadata={
-                "format": "pt", "lightning_ort_ckpt.source_checkpoint": store_for(checkpoint, storage_options).absolute(checkpoint)})
+                "format": "pt", "lightning_ort_ckpt.source_checkpoint": stores.of(checkpoint).absolute(checkpoint)})
     return SafetensorsReport(output, files, checkpoint, len(entries), sum(e.nbytes for e in entries), prefix)
 
 

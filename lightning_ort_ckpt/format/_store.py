@@ -1,6 +1,7 @@
 """Where checkpoint files live: the one interface every layer above reads and writes checkpoint files through.
 
-A :class:`Store` is chosen once per path (per plugin, per call) by :func:`store_for` and passed down: each backend
+A :class:`Store` is built once per location (a plugin keeps its own in :class:`Stores` for its lifetime; a call
+builds one) by :func:`store_for` and passed down, never rebuilt from ``storage_options`` below: each backend
 class says which paths are its own (:meth:`Backend.handles`, as ``torch.distributed.checkpoint``'s
 ``validate_checkpoint_id``) and :func:`store_for` takes the first of :data:`BACKENDS` that does. A local path (no
 ``protocol://``, or a ``file://`` URL: :func:`local_path`) is :class:`~._local_store.LocalStore`'s (the journaled
@@ -27,8 +28,8 @@ from ._fsspec_store import FsspecStore
 from ._local_store import LocalStore
 from ._urls import is_remote, local_path, strip_protocol
 
-__all__ = ["BACKENDS", "Backend", "StorageOptions", "Store", "is_remote", "local_path", "register", "store_for",
-           "strip_protocol", "wait_for_cleanup"]
+__all__ = ["BACKENDS", "Backend", "StorageOptions", "Store", "Stores", "is_remote", "local_path", "register",
+           "store_for", "strip_protocol", "wait_for_cleanup"]
 
 StorageOptions = dict[str, Any]
 """fsspec's keyword arguments for the file system of a URL (credentials, ``client_kwargs``, s3fs's
@@ -153,6 +154,25 @@ def store_for(path: str | os.PathLike[str] | None, storage_options: StorageOptio
     """The store of ``path``, built with ``storage_options``: the first of :data:`BACKENDS` that handles it."""
     backend = next(b for b in BACKENDS if b.handles(path))
     return backend(storage_options)
+
+
+class Stores:
+    """The stores of one owner's locations (a plugin's, for its lifetime), each built at its first path and kept: a
+    store serves every path of its backend with the same options, so a save, a removal and a resume share it."""
+
+    def __init__(self, storage_options: StorageOptions | None = None, held: Store | None = None) -> None:
+        """``held``: a store built already (by the caller that knew the location first), kept for its backend."""
+        self.storage_options = storage_options
+        self._built: dict[Any, Store] = {type(held): held} if held is not None else {}
+
+    def of(self, path: str | os.PathLike[str] | None, extra: StorageOptions | None = None) -> Store:
+        """The store of ``path``; with ``extra`` options (merged over the owner's), one of its own, for one call."""
+        backend = next(b for b in BACKENDS if b.handles(path))
+        if extra:
+            return backend({**(self.storage_options or {}), **extra})
+        if backend not in self._built:
+            self._built[backend] = backend(self.storage_options)
+        return self._built[backend]
 
 
 def wait_for_cleanup() -> None:

@@ -349,7 +349,7 @@ def test_a_damaged_shard_has_no_second_copy_and_last_falls_back(tmp_path: Path) 
         def hold(self, path: str, found: Any) -> None:
             held.append(path)
 
-    choice = resolve_last(entries, rank_zero=True, io=Holder(), storage_options=None)
+    choice = resolve_last(entries, rank_zero=True, io=Holder(), store_of=store_for)
     assert choice.path == str(tmp_path / "step=4.ckpt") and choice.folder and not held  # taken by its metadata
     target = {"backbone": torch.zeros_like(frozen), "head": torch.zeros(4)}
     went: list[str] = []

@@ -149,8 +149,8 @@ def test_fit_writes_newest_and_last_to_the_store_and_rotates_old_files_out(store
     assert callback.last_model_path == store.url("last.ckpt")
     assert callback.best_model_path == store.url("step=8.ckpt")
     for name in ("last.ckpt", "step=8.ckpt"):  # the files hold the final weights, checksums verified on read
-        assert_same_state(read_lightning_checkpoint(store.url(name), storage_options=store.options)["state_dict"],
-                          state(model))
+        url = store.url(name)
+        assert_same_state(read_lightning_checkpoint(url, store=store_for(url, store.options))["state_dict"], state(model))
     assert_nothing_local(tmp_path)
 
 
@@ -214,7 +214,7 @@ def test_explicit_url_load_from_checkpoint_and_missing_objects(s3: Store) -> Non
 
     missing = s3.url("nope.ckpt")
     with pytest.raises(CorruptCheckpointError, match=f"^{missing}: no such checkpoint file"):
-        read_lightning_checkpoint(missing, storage_options=s3.options)
+        read_lightning_checkpoint(missing, store=store_for(missing, s3.options))
 
 
 def test_storage_options_alone_reach_the_store(s3: Store, monkeypatch: pytest.MonkeyPatch,
@@ -236,8 +236,8 @@ def test_storage_options_alone_reach_the_store(s3: Store, monkeypatch: pytest.Mo
     trainer.save_checkpoint(s3.url("b.ckpt"), storage_options=s3.options)  # Lightning's per-save options
     assert s3.names() == ["a.ckpt", "b.ckpt"]
     for name in ("a.ckpt", "b.ckpt"):
-        assert_same_state(read_lightning_checkpoint(s3.url(name), storage_options=s3.options)["state_dict"],
-                          state(model))
+        url = s3.url(name)
+        assert_same_state(read_lightning_checkpoint(url, store=store_for(url, s3.options))["state_dict"], state(model))
     OrtCheckpointIO(storage_options=s3.options).remove_checkpoint(s3.url("a.ckpt"))
     assert s3.names() == ["b.ckpt"]
 

@@ -23,6 +23,7 @@ import torch
 
 from lightning_ort_ckpt._dcp_storage import METADATA_NAME, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
+from lightning_ort_ckpt.format._store import store_for
 from helpers.s3 import _Forward, _Proxy
 
 
@@ -270,10 +271,10 @@ def test_a_lost_answer_to_the_metadata_upload_is_read_back_and_the_save_stands(l
     path, options = _s3_checkpoint(losing.url)
     losing.losing = {"PUT"}  # type: ignore[attr-defined]
     state = _state()
-    save_sharded(state, path, storage_options=options)  # the upload "failed"; reading back shows it landed
+    save_sharded(state, path, store=store_for(path, options))  # the upload "failed"; reading back shows it landed
     assert losing.failed and all(r.startswith("PUT ") for r in losing.failed)
     target = _empty_like(state)
-    assert load_sharded(target, path, storage_options=options)["global_step"] == 400
+    assert load_sharded(target, path, store=store_for(path, options))["global_step"] == 400
     _assert_same(state, target)
 
 
@@ -282,11 +283,11 @@ def test_a_metadata_upload_that_cannot_be_told_keeps_the_shards_it_names(losing:
     losing.losing = {"PUT", "GET"}  # the answer is lost, and so is the read-back's
     state = _state()
     with pytest.raises(CheckpointSaveError, match="may have been stored all the same"):
-        save_sharded(state, path, storage_options=options)
+        save_sharded(state, path, store=store_for(path, options))
     losing.losing = set()  # type: ignore[attr-defined]
     # the metadata landed: every shard it names is still there, so the folder is a whole checkpoint
     target = _empty_like(state)
-    assert load_sharded(target, path, storage_options=options)["global_step"] == 400
+    assert load_sharded(target, path, store=store_for(path, options))["global_step"] == 400
     _assert_same(state, target)
 
 

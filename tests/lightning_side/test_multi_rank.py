@@ -60,9 +60,9 @@ READS = []  # the file names this process read in full (verified), in order
 
 
 def counted(real):
-    def read_contents(path, storage_options=None):
+    def read_contents(path, store=None):
         READS.append(os.path.basename(str(path)))
-        return real(path, storage_options)
+        return real(path, store)
     return read_contents
 
 

@@ -118,13 +118,13 @@ def test_rank_zero_reads_candidates_until_one_resumes_and_lists_the_others(tmp_p
     entries = scan(str(tmp_path), store_for(str(tmp_path)))
     io = _Held()
     with pytest.warns(CheckpointWarning, match=r"step=4\.ckpt cannot be resumed from"):
-        choice = resolve_last(entries, rank_zero=True, io=io, storage_options=None)
+        choice = resolve_last(entries, rank_zero=True, io=io, store_of=store_for)
     assert choice.path == str(tmp_path / "step=2.ckpt") and io.held == [choice.path]
     assert [p for p, _ in choice.problems] == [str(tmp_path / "step=4.ckpt")]
-    other = resolve_last(entries, rank_zero=False, io=_Held(), storage_options=None)  # no read: the listing's
+    other = resolve_last(entries, rank_zero=False, io=_Held(), store_of=store_for)  # no read: the listing's
     assert other.path == str(tmp_path / "step=4.ckpt")
     adopted = _Held()
-    assert adopt(other, choice, adopted, None) and adopted.held == [other.path]  # handed rank 0's file
+    assert adopt(other, choice, adopted, store_for) and adopted.held == [other.path]  # handed rank 0's file
     message = str(unresumable(str(tmp_path), LastChoice(problems=(("x.ckpt", "empty"),))))
     assert "none of its 1 checkpoint(s) can be resumed from:\n  x.ckpt: empty\n" in message
 
