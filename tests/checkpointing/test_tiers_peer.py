@@ -25,7 +25,7 @@ import fsspec
 import pytest
 
 from helpers.fits import files_after_fit, fit
-from helpers.launching import launch_script
+from helpers.launching import DDP_NET, launch_script
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
 
@@ -42,18 +42,7 @@ OUT, PHASE, ENDPOINT, BUCKET = sys.argv[1:5]
 RANK = int(os.environ.get("LOCAL_RANK", "0"))  # one node: the local rank is the global one
 OPTIONS = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": ENDPOINT}}
 
-
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(batch[0]))), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
-
+''' + DDP_NET + r'''
 
 def groups():
     return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from helpers.launching import launch_script
+from helpers.launching import DDP_NET, launch_script
 from lightning_ort_ckpt import load_checkpoint
 
 SCRIPT = r'''
@@ -130,18 +130,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint
 
-
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(batch[0]))), batch[1])
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
-
+''' + DDP_NET + r'''
 
 class Record(pl.Callback):
     def __init__(self, name):

@@ -12,6 +12,21 @@ from pathlib import Path
 import pytest
 
 
+DDP_NET = r'''
+class Net(pl.LightningModule):  # a tiny regression model: 8 -> 16 -> 1, AdamW
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(batch[0]))), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+'''
+"""The module of the DDP child scripts, as script text (it needs ``pl``, ``torch`` and ``nn`` imported)."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
