@@ -114,6 +114,7 @@ FILE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_tiers.py": ("trainer", "s3"),
     "test_tiers_signals.py": ("trainer", "crash"),
     "test_tiers_sharded.py": ("trainer", "multiprocess"),
+    "test_tiers_signals_sharded.py": ("trainer", "multiprocess"),
 }
 
 
