@@ -314,6 +314,33 @@ def test_a_requeue_signal_during_an_async_save_saves_the_current_step(tmp_path: 
     assert_exact(trainer)
 
 
+_FIRST_IMPORT = f"""
+import sys
+sys.path[:0] = [{TESTS_DIR!r}, {os.path.dirname(TESTS_DIR)!r}]
+import pytorch_lightning as pl
+from pathlib import Path
+from test_tiers_signals import Net, WIDTH, loader, make_callback, make_trainer
+
+class Look(pl.Callback):
+    def on_fit_start(self, trainer, pl_module):
+        print("omegaconf before the first save:", "omegaconf" in sys.modules, flush=True)
+
+print("omegaconf at start:", "omegaconf" in sys.modules, flush=True)
+make_trainer(Path(sys.argv[1]), [Look(), make_callback(Path(sys.argv[1]), 100, False)]).fit(
+    Net(WIDTH), loader(WIDTH), loader(WIDTH))
+"""
+
+
+def test_lightnings_first_save_imports_nothing_a_requeue_signal_can_land_in(tmp_path: Path) -> None:
+    """Lightning's ``dump_checkpoint`` imports ``omegaconf`` at a process's first save; a requeue signal handled
+    during that import saved inside it and failed (``ImportError`` of a half-initialized module: 4 of 50 SIGUSR1s in
+    ``benchmarks/signals.py``). The plugin makes that import when it is bound, before any save."""
+    proc = forkserver.spawn(code=_FIRST_IMPORT, args=[str(tmp_path)], cwd=str(tmp_path), merge_stderr=True)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "omegaconf at start: False" in out and "omegaconf before the first save: True" in out, out
+
+
 class _SlowStore:
     """(In the child) the local store of ``default_root_dir``, whose write of step 4's file pauses (on the training
     thread: saves are synchronous) until the requeue signal was handled: the signal lands inside one of our saves."""
