@@ -7,7 +7,11 @@
   Lightning saves ``hpc_ckpt_1.ckpt`` through our plugin from inside its signal handler and requeues the job;
   "last" then takes the newest of the hpc file, the fast tier and ``dirpath``: the hpc file when the job is killed
   before the fast tier saved anything newer, the fast tier's step when training went on after it.
-* A SIGUSR1 that lands inside one of our synchronous saves: the handler's save runs once that save returns.
+* SIGTERM in validation (the current step saved, exact), in a relaunch's sanity check (nothing to save: a clean
+  exit, "last" resumes the step committed before), and while a background write is in progress (no deadlock; the
+  step it stops at committed).
+* A SIGUSR1 that lands inside one of our synchronous saves: the handler's save runs once that save returns; one
+  that lands during a background write: the hpc save queues behind it, both durable before the requeue.
 * Two DDP ranks under ``SLURMEnvironment``, launched as ``srun`` would (the SLURM variables of each task): SIGUSR1,
   then SIGTERM, to both; a relaunch resumes both ranks from the fast tier.
 
