@@ -49,6 +49,11 @@ What it holds:
   The spawn/fork launchers' hand-over of the worker's weights (:func:`launcher_weights`: ``_MultiProcessingLauncher``
   reads them with the main process's own ``CheckpointIO``, Lightning's ``TorchCheckpointIO`` where the worker's
   callback installed ours) needs no wrap: the worker's plugin writes that file with Lightning's torch writer.
+- **the imports of a save**: Lightning's ``dump_checkpoint`` imports ``omegaconf`` (where installed) at the first
+  save of a process. A save from a signal handler (SLURM's requeue) that interrupts that import finds the module
+  half initialized and fails, and the fit with it (``ImportError``: ``benchmarks/signals.py`` met it in 4 of 50
+  SIGUSR1s). :func:`import_what_saves_import` makes that import when a plugin is bound, before any save: an import
+  Lightning makes anyway, only earlier.
 
 This module imports neither torch nor Lightning, and of ours only the format's file identifier.
 """
@@ -96,6 +101,13 @@ MODEL_CHECKPOINT_ATTRIBUTES = ("_every_n_train_steps", "_every_n_epochs", "_trai
 
 _MARK = "reads_ort_checkpoints"
 _SERVED: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar("ort_ckpt_served", default=None)
+
+
+def import_what_saves_import() -> None:
+    """Import what Lightning's ``dump_checkpoint`` imports at the first save (module doc, "the imports of a
+    save")."""
+    with contextlib.suppress(ImportError):
+        import omegaconf  # noqa: F401
 
 
 def raw_checkpoint_io(strategy: Any) -> Any:

@@ -284,6 +284,7 @@ class OrtCheckpointIOMixin:
         ``FSDPStrategy``), which saves and loads without its ``CheckpointIO``, saves and loads through this plugin
         until :meth:`teardown` (``_strategies``); DeepSpeed is refused here."""
         self._owner = weakref.ref(strategy)
+        _lightning_adapter.import_what_saves_import()  # not from inside a save a signal handler starts
         if self._attachment is not None:  # bound before (when Lightning assigned it, then by a callback's setup)
             self._attachment.undo()
         self._attachment = _strategies.attach(strategy, self)

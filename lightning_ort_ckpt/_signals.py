@@ -46,6 +46,15 @@ class Reentry:
         """Run ``save`` once this thread's call in progress returns."""
         self._local.__dict__.setdefault("later", []).append(save)
 
+    def call(self, run: Callable[[], Any], defer: bool) -> Any:
+        """``run()`` as a call in progress; with ``defer``, one that arrives while another is in progress on this
+        thread (a save in a signal handler) runs when that one returns (and returns None now)."""
+        if defer and self.busy():
+            self.later(lambda: self.call(run, defer))
+            return None
+        with self.inside():
+            return run()
+
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
         self._local.depth = getattr(self._local, "depth", 0) + 1
@@ -66,11 +75,7 @@ def guarded(defer: bool) -> Callable[[F], F]:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             reentry: Reentry = self._reentry
-            if defer and reentry.busy():
-                reentry.later(lambda: call(self, *args, **kwargs))
-                return None
-            with reentry.inside():
-                return method(self, *args, **kwargs)
+            return reentry.call(lambda: method(self, *args, **kwargs), defer)
 
         return call  # type: ignore[return-value]
 

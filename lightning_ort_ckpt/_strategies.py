@@ -30,7 +30,7 @@ from typing import Any, Callable, Literal, NamedTuple, Protocol, TYPE_CHECKING
 
 import torch
 
-from . import _lightning_adapter, _rng
+from . import _lightning_adapter, _rng, _signals
 from ._namespaces import namespace_of
 from ._rng import RNG_KEY
 from ._torch_compat import process_group_of, sharded_tensor_type
@@ -46,6 +46,7 @@ class Plugin(Protocol):
 
     stores: Stores
     """The store of each path, built once (a save's own ``storage_options``: one of its own)."""
+    _reentry: _signals.Reentry  # its calls in progress: a sharded save in a signal handler waits for them too
 
     @property
     def async_save(self) -> bool: ...
@@ -115,9 +116,10 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
     stager.prepare(lambda: _local_shards(strategy) if plugin.async_save and kind(strategy) == "sharded" else None)
 
     def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if kind(strategy) == "sharded":
-            save_sharded_checkpoint(strategy, plugin, checkpoint, filepath, storage_options,
-                                    stager if plugin.async_save else None)
+        if kind(strategy) == "sharded":  # (as the plugin's own saves: deferred in a signal handler, ``_signals``)
+            plugin._reentry.call(lambda: save_sharded_checkpoint(strategy, plugin, checkpoint, filepath,
+                                                                 storage_options, stager if plugin.async_save
+                                                                 else None), defer=True)
         else:  # Lightning's own: rank 0 writes the gathered state through the plugin, with every rank's random states
             original({**checkpoint, RANKS_RNG_KEY: gather_random_states(strategy)}, filepath,
                      storage_options=storage_options)
@@ -180,7 +182,8 @@ def save_sharded_checkpoint(strategy: Any, plugin: Plugin, checkpoint: dict[str,
     ``stager`` (``async_save=True``) the values are encoded and the shards copied now, and the write runs on the
     plugin's background queue, in order with the deletions and links asked for after it; the first error of a
     background write is raised on every rank by the plugin's next call (every rank's write fails with it: the save
-    is collective), or at the end of fit."""
+    is collective), or at the end of fit. Lightning's SLURM requeue save (``hpc_ckpt_N.ckpt``) is durable before
+    it returns, as with the plugin's own saves."""
     from ._dcp_storage import flatten, save_flat
 
     plugin.wait()
@@ -193,6 +196,8 @@ def save_sharded_checkpoint(strategy: Any, plugin: Plugin, checkpoint: dict[str,
         save_flat(tree, flat, path, store=store)
     else:
         plugin.run_in_order(_write_later, tree, stager.stage(flat), path, store, stager.group())
+        if _signals.must_be_durable(path):  # Lightning's requeue save: the job is requeued, and killed, next
+            plugin.wait()
 
 
 def _write_later(tree: Any, flat: dict[str, Any], path: str, store: Any, group: Any) -> None:

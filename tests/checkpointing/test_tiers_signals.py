@@ -7,7 +7,11 @@
   Lightning saves ``hpc_ckpt_1.ckpt`` through our plugin from inside its signal handler and requeues the job;
   "last" then takes the newest of the hpc file, the fast tier and ``dirpath``: the hpc file when the job is killed
   before the fast tier saved anything newer, the fast tier's step when training went on after it.
-* A SIGUSR1 that lands inside one of our synchronous saves: the handler's save runs once that save returns.
+* SIGTERM in validation (the current step saved, exact), in a relaunch's sanity check (nothing to save: a clean
+  exit, "last" resumes the step committed before), and while a background write is in progress (no deadlock; the
+  step it stops at committed).
+* A SIGUSR1 that lands inside one of our synchronous saves: the handler's save runs once that save returns; one
+  that lands during a background write: the hpc save queues behind it, both durable before the requeue.
 * Two DDP ranks under ``SLURMEnvironment``, launched as ``srun`` would (the SLURM variables of each task): SIGUSR1,
   then SIGTERM, to both; a relaunch resumes both ranks from the fast tier.
 
@@ -39,6 +43,7 @@ from helpers.preemption import MAX_STEPS, Net
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WIDTH = 16
+SIGNAL_SENT = "signal-sent"  # the file the parent creates once it sent a signal (in the fit's root)
 
 
 def loader(width: int) -> DataLoader:
@@ -55,17 +60,19 @@ def make_callback(root: Path, every: int, async_save: bool) -> OrtCheckpoint:
                          local=LocalTier(root / "fast", every_n_train_steps=every, keep=2))
 
 
-def make_trainer(root: Path, callbacks: list[pl.Callback], plugins: list[Any] = ()) -> pl.Trainer:  # type: ignore[assignment]
+def make_trainer(root: Path, callbacks: list[pl.Callback], plugins: list[Any] = (),  # type: ignore[assignment]
+                 sanity: int = 0) -> pl.Trainer:
     return pl.Trainer(max_steps=MAX_STEPS, callbacks=callbacks, plugins=list(plugins), accelerator="cpu", devices=1,
                       logger=False, enable_checkpointing=any(isinstance(c, OrtCheckpoint) for c in callbacks),
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=sanity,
                       val_check_interval=3, limit_val_batches=4, default_root_dir=root)
 
 
 class Waits(pl.Callback):
     """In the child: says where training is, and at given steps waits for the signal the parent answers with
-    (``sigterm``: until Lightning saw it; ``requeued``: until the stand-in ``scontrol`` ran in the handler), so the
-    signal is handled at that batch boundary however loaded the machine."""
+    (``sigterm``: until Lightning saw it; ``requeued``: until the stand-in ``scontrol`` ran in the handler;
+    ``val-sigterm``: as ``sigterm``, after the second validation batch of that step, or of the sanity check at step
+    0), so the signal is handled at that batch boundary however loaded the machine."""
 
     def __init__(self, waits: dict[int, str]) -> None:
         self.waits = waits
@@ -77,11 +84,20 @@ class Waits(pl.Callback):
                 what == "requeued" and not os.path.exists(os.environ["REQUEUE_LOG"]):
             time.sleep(0.01)
 
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx == 1 and self.waits.get(trainer.global_step) == "val-sigterm":
+            while not trainer.received_sigterm:
+                time.sleep(0.01)
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         print(f"interrupted {trainer.global_step} {type(exception).__name__}", flush=True)
 
 
-def child_fit(root: str, every: str, async_save: str, slurm: str, waits: str) -> None:
+def child_fit(root: str, every: str, async_save: str, slurm: str, waits: str, ckpt_path: str = "",
+              sanity: str = "0", slow: str = "") -> None:
+    """A fit to ``MAX_STEPS`` (from ``ckpt_path`` if any, after ``sanity`` sanity-check batches); with ``slow``,
+    the background write of the fast tier's file of that name waits for a signal (:class:`_SlowWrite`)."""
     plugins = []
     if slurm == "1":
         from pytorch_lightning.plugins.environments import SLURMEnvironment
@@ -89,9 +105,38 @@ def child_fit(root: str, every: str, async_save: str, slurm: str, waits: str) ->
         plugins.append(SLURMEnvironment(auto_requeue=True))
     steps = {int(k): v for k, v in (w.split(":") for w in waits.split(","))}
     pl.seed_everything(0, verbose=False)
-    make_trainer(Path(root), [Waits(steps), make_callback(Path(root), int(every), async_save == "1")],
-                 plugins).fit(Net(WIDTH), loader(WIDTH), loader(WIDTH))
+    trainer = make_trainer(Path(root), [Waits(steps), make_callback(Path(root), int(every), async_save == "1")],
+                           plugins, sanity=int(sanity))
+    if slow:
+        _SlowWrite.install(trainer, slow)
+    trainer.fit(Net(WIDTH), loader(WIDTH), loader(WIDTH), ckpt_path=ckpt_path or None)
     print("finished", flush=True)
+
+
+class _SlowWrite:
+    """(In the child) the local store of the fast tier, whose write of one file pauses (on the background thread:
+    ``async_save=True``) until the parent has sent its signal (the file ``SIGNAL_SENT`` it creates then): the signal
+    lands during an asynchronous save. (Not until the signal was handled: Python runs a handler on the main thread
+    only, which may be waiting for this very write, for a staging buffer or a requeue save to be durable.)"""
+
+    @staticmethod
+    def install(trainer: pl.Trainer, name: str) -> None:
+        from lightning_ort_ckpt.format._local_store import LocalStore
+        from lightning_ort_ckpt.format._store import register
+
+        class SlowWrite(LocalStore):
+            @classmethod
+            def handles(cls, path: Any) -> bool:
+                return path is not None and os.fspath(path).startswith(os.path.join(trainer.default_root_dir, "fast"))
+
+            def writing(self, path: str, **kwargs: Any) -> Any:
+                if os.path.basename(path) == name:  # (a line of its own, whatever the training thread prints)
+                    os.write(sys.stdout.fileno(), f"\nwriting {name}\n".encode())
+                    while not os.path.exists(os.path.join(trainer.default_root_dir, SIGNAL_SENT)):
+                        time.sleep(0.01)
+                return super().writing(path, **kwargs)
+
+        register(SlowWrite)  # this child's own table of backends (a test-only store)
 
 
 _CHILD = f"""
@@ -103,13 +148,14 @@ child_fit(*sys.argv[1:])
 
 
 def run_child(root: Path, every: int, async_save: bool, waits: dict[int, str], signals: list[tuple[str, int]],
-              slurm: bool = False) -> str:
+              slurm: bool = False, ckpt_path: str = "", sanity: int = 0, slow: str = "") -> str:
     """Start the child, send each signal of ``signals`` at the line that starts with its text; its output."""
     script = root / "train.py"
     script.write_text(textwrap.dedent(_CHILD))
-    args = [str(root), str(every), str(int(async_save)), str(int(slurm)), ",".join(f"{k}:{v}" for k, v in waits.items())]
+    args = [str(root), str(every), str(int(async_save)), str(int(slurm)),
+            ",".join(f"{k}:{v}" for k, v in waits.items()), ckpt_path, str(sanity), slow]
     proc = forkserver.spawn(script=str(script), args=args, cwd=str(root), merge_stderr=True)
-    return forkserver.signalled(proc, signals)
+    return forkserver.signalled(proc, signals, sent=(root / SIGNAL_SENT).touch)
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -144,6 +190,54 @@ def test_sigterm_commits_the_current_step_to_the_fast_tier(tmp_path: Path, async
     load_checkpoint(fast / f"step={step}.ckpt")
     assert read_lightning_checkpoint(fast / f"step={step}.ckpt")["global_step"] == step
     trainer = resume(tmp_path, 5)
+    assert trainer.ckpt_path == str(fast / f"step={step}.ckpt")
+    assert_exact(trainer)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigterm_in_validation_commits_the_current_step(tmp_path: Path, async_save: bool) -> None:
+    """SIGTERM during the validation after step 3: Lightning raises ``SIGTERMException`` after the validation batch
+    it is in; the fast tier (every 5 steps) saves step 3, and "last" resumes from it bit for bit."""
+    out = run_child(tmp_path, 5, async_save, {3: "val-sigterm"}, [("validating 3 1", signal.SIGTERM)])
+    assert interrupted_at(out) == 3 and "finished" not in out and "training 3" not in out, out
+    fast = tmp_path / "fast"
+    assert sorted(os.listdir(fast)) == ["step=3.ckpt"], out
+    assert read_lightning_checkpoint(fast / "step=3.ckpt")["global_step"] == 3
+    trainer = resume(tmp_path, 5)
+    assert trainer.ckpt_path == str(fast / "step=3.ckpt")
+    assert_exact(trainer)
+
+
+def test_sigterm_in_the_sanity_check_exits_cleanly(tmp_path: Path) -> None:
+    """A fit stopped by SIGTERM at step 4 (the fast tier saves it), then a relaunch (without ``ckpt_path``) gets
+    SIGTERM in its sanity check: there is nothing new to save (no training step ran), so nothing is written, the
+    exit is clean, and "last" still resumes the step committed before, bit for bit."""
+    out = run_child(tmp_path, 100, False, {4: "sigterm"}, [("training 4", signal.SIGTERM)])
+    step = interrupted_at(out)
+    fast = tmp_path / "fast"
+    before = {n: (fast / n).stat().st_mtime_ns for n in os.listdir(fast)}
+    assert list(before) == [f"step={step}.ckpt"], out
+    # (Lightning runs no sanity check when it resumes: a relaunch that does not pass ckpt_path)
+    again = run_child(tmp_path, 100, False, {0: "val-sigterm"}, [("validating 0 1", signal.SIGTERM)], sanity=3)
+    assert interrupted_at(again) == 0 and "training" not in again, again  # (not after the last batch it checks)
+    assert {n: (fast / n).stat().st_mtime_ns for n in os.listdir(fast)} == before, again
+    assert not (tmp_path / "persistent").exists() or not os.listdir(tmp_path / "persistent"), again
+    trainer = resume(tmp_path, 100)
+    assert trainer.ckpt_path == str(fast / f"step={step}.ckpt")
+    assert_exact(trainer)
+
+
+def test_sigterm_during_an_async_save_commits_the_current_step(tmp_path: Path) -> None:
+    """SIGTERM while the background write of step 4's fast-tier file is in progress (held until the signal was
+    sent): no deadlock; Lightning stops at the next batch boundary, and the step it stops at is committed (with
+    the one before it: keep 2) and resumed from bit for bit."""
+    out = run_child(tmp_path, 1, True, {99: "none"}, [("writing step=4.ckpt", signal.SIGTERM)], slow="step=4.ckpt")
+    step = interrupted_at(out)
+    assert step in (4, 5) and "finished" not in out, out  # (the next save, of step 5, waits for step 4's write)
+    fast = tmp_path / "fast"
+    assert sorted(os.listdir(fast)) == sorted([f"step={step - 1}.ckpt", f"step={step}.ckpt"]), out
+    assert read_lightning_checkpoint(fast / f"step={step}.ckpt")["global_step"] == step
+    trainer = resume(tmp_path, 1)
     assert trainer.ckpt_path == str(fast / f"step={step}.ckpt")
     assert_exact(trainer)
 
@@ -203,6 +297,52 @@ def test_slurm_requeue_then_sigterm_resumes_from_the_newer_fast_step(tmp_path: P
     trainer = resume(tmp_path, 1)
     assert trainer.ckpt_path == str(tmp_path / "fast" / f"step={step}.ckpt")
     assert_exact(trainer)
+
+
+def test_a_requeue_signal_during_an_async_save_saves_the_current_step(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGUSR1 while the background write of step 4's fast-tier file is in progress (held until the signal was
+    sent), the training thread at step 5's start: the handler's save of ``hpc_ckpt_1.ckpt`` queues behind that
+    write and waits for both to be durable (no deadlock: the queue is not the training thread's); training goes on
+    to the end, and a fit from the hpc file ends where the uninterrupted one does, bit for bit."""
+    with monkeypatch.context() as m:
+        log = scontrol(tmp_path, m)
+        out = run_child(tmp_path, 1, True, {5: "requeued"}, [("writing step=4.ckpt", signal.SIGUSR1)], slurm=True,
+                        slow="step=4.ckpt")
+    assert "finished" in out and log.read_text().split() == ["requeue", "4242"], out
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"
+    load_checkpoint(hpc)
+    assert read_lightning_checkpoint(hpc)["global_step"] == 4
+    trainer = make_trainer(tmp_path, [make_callback(tmp_path, 1, False)])
+    trainer.fit(Net(WIDTH), loader(WIDTH), loader(WIDTH), ckpt_path=str(hpc))
+    assert_exact(trainer)
+
+
+_FIRST_IMPORT = f"""
+import sys
+sys.path[:0] = [{TESTS_DIR!r}, {os.path.dirname(TESTS_DIR)!r}]
+import pytorch_lightning as pl
+from pathlib import Path
+from test_tiers_signals import Net, WIDTH, loader, make_callback, make_trainer
+
+class Look(pl.Callback):
+    def on_fit_start(self, trainer, pl_module):
+        print("omegaconf before the first save:", "omegaconf" in sys.modules, flush=True)
+
+print("omegaconf at start:", "omegaconf" in sys.modules, flush=True)
+make_trainer(Path(sys.argv[1]), [Look(), make_callback(Path(sys.argv[1]), 100, False)]).fit(
+    Net(WIDTH), loader(WIDTH), loader(WIDTH))
+"""
+
+
+def test_lightnings_first_save_imports_nothing_a_requeue_signal_can_land_in(tmp_path: Path) -> None:
+    """Lightning's ``dump_checkpoint`` imports ``omegaconf`` at a process's first save; a requeue signal handled
+    during that import saved inside it and failed (``ImportError`` of a half-initialized module: 4 of 50 SIGUSR1s in
+    ``benchmarks/signals.py``). The plugin makes that import when it is bound, before any save."""
+    proc = forkserver.spawn(code=_FIRST_IMPORT, args=[str(tmp_path)], cwd=str(tmp_path), merge_stderr=True)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "omegaconf at start: False" in out and "omegaconf before the first save: True" in out, out
 
 
 class _SlowStore:

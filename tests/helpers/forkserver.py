@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 PRELOAD = ("numpy", "torch", "pytorch_lightning")
@@ -207,9 +208,11 @@ def spawn(*, script: str | None = None, code: str | None = None, args: list[str]
     return Child(request, merge_stderr)
 
 
-def signalled(proc: Child, signals: list[tuple[str, int]], timeout: float = 120) -> str:
+def signalled(proc: Child, signals: list[tuple[str, int]], timeout: float = 120,
+              sent: Callable[[], None] | None = None) -> str:
     """Send each signal of ``signals`` to ``proc`` at the first line of its output (stdout with stderr merged) that
-    starts with the signal's text, in order; then its whole output once it has ended (killed if anything fails)."""
+    starts with the signal's text, in order (calling ``sent()`` after each: the signal is the child's by then);
+    then its whole output once it has ended (killed if anything fails)."""
     try:
         lines: list[str] = []
         pending = list(signals)
@@ -218,6 +221,8 @@ def signalled(proc: Child, signals: list[tuple[str, int]], timeout: float = 120)
             lines.append(line)
             if pending and line.startswith(pending[0][0]):
                 proc.send_signal(pending.pop(0)[1])
+                if sent is not None:
+                    sent()
                 if not pending:
                     break
         return "".join(lines) + proc.communicate(timeout=timeout)[0]
