@@ -182,13 +182,10 @@ def test_after_a_fit_the_setter_wrap_waits_for_the_collector(tmp_path: Path, no_
 
 
 ON_CYCLES = {
-    "lightning_ort_ckpt._plugin.OrtCheckpointIO": "its BackgroundSaves holds its bound _staged_sources",
-    "lightning_ort_ckpt._async_saver.BackgroundSaves": "(on the plugin's cycle)",
-    "lightning_ort_ckpt._staging.Stager": "(on the plugin's cycle: its StagingMemory holds the plugin's sources)",
-    "lightning_ort_ckpt._staging_memory.StagingMemory": "(on the Stager's cycle)",
+    "lightning_ort_ckpt._plugin.OrtCheckpointIO": "its TrainData's unwrap closure holds the strategy, which holds it",
     "lightning_ort_ckpt._data_position.TrainData": "its unwrap closure holds the process_dataloader wrap, which holds "
                                                    "its bound _watch",
-    "lightning_ort_ckpt._train_start.TrainStart": "its TrainData holds the plugin's arming closure (BackgroundSaves)",
+    "lightning_ort_ckpt._train_start.TrainStart": "(on the plugin's cycle, through its TrainData)",
 }
 CALLBACK_ON_A_CYCLE = ("lightning_ort_ckpt._callback.OrtCheckpoint", "its plugin's TrainData keeps, after teardown, "
                        "the unwrap closure, which holds the strategy (so the Trainer, whose callbacks hold it)")
