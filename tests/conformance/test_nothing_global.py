@@ -181,14 +181,8 @@ def test_after_a_fit_the_setter_wrap_waits_for_the_collector(tmp_path: Path, no_
     assert differences(before, snapshot()) == set()
 
 
-ON_CYCLES = {
-    "lightning_ort_ckpt._plugin.OrtCheckpointIO": "its TrainData's unwrap closure holds the strategy, which holds it",
-    "lightning_ort_ckpt._data_position.TrainData": "its unwrap closure holds the process_dataloader wrap, which holds "
-                                                   "its bound _watch",
-    "lightning_ort_ckpt._train_start.TrainStart": "(on the plugin's cycle, through its TrainData)",
-}
-CALLBACK_ON_A_CYCLE = ("lightning_ort_ckpt._callback.OrtCheckpoint", "its plugin's TrainData keeps, after teardown, "
-                       "the unwrap closure, which holds the strategy (so the Trainer, whose callbacks hold it)")
+ON_CYCLES: dict[str, str] = {}
+CALLBACK_ON_A_CYCLE: tuple[str, ...] = ()
 """Objects of ours still on reference cycles of their own after teardown (their memory and hooks are released at
 teardown; the empty shells wait for the collector): reported, not fixed yet."""
 
@@ -225,7 +219,7 @@ def test_after_teardown_only_lightnings_cycles_keep_a_fit_alive(configuration: s
     del garbage
     gc.collect()
     alive = [name for name, ref in lives.items() if ref() is not None]
-    expected = set(ON_CYCLES) | ({CALLBACK_ON_A_CYCLE[0]} if configuration.startswith("callback") else set())
+    expected = set(ON_CYCLES) | (set(CALLBACK_ON_A_CYCLE[:1]) if configuration.startswith("callback") else set())
     assert set(on_cycles) == (expected if configuration != "plain ModelCheckpoint" else set()), (on_cycles, alive)
     assert alive == []
 
