@@ -20,6 +20,7 @@ import atexit
 import queue
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, Protocol
 
@@ -176,11 +177,12 @@ class BackgroundSaves:
         step that finds ``sources`` (while saves are asynchronous)."""
 
         self._sources = sources
+        saves = weakref.ref(self)  # held by the stager's memory, which this holds: weakly, or a reference cycle
 
         def found() -> tuple[list[Any], list[Any]] | None:
-            what = sources()
-            if what is not None and self._queue is None:
-                self._queue = BackgroundQueue()
+            what, owner = sources(), saves()
+            if what is not None and owner is not None and owner._queue is None:
+                owner._queue = BackgroundQueue()
             return what
 
         self._stager.prepare(found)

@@ -50,13 +50,32 @@ def _allocate(specs: list[Spec], touch: bool) -> list[torch.Tensor]:
     return [_new(spec, touch) for spec in specs]
 
 
+class _WriteGroup:
+    """The process group of the background writes (None without torch.distributed): made by every rank at its first
+    asynchronous save (a collective on the default group, on the training thread), destroyed at :meth:`close`. Apart
+    from :class:`ShardStager`, so that the staging memory, which calls it, holds no reference back to the stager."""
+
+    def __init__(self) -> None:
+        self._group: Any = None
+
+    def __call__(self) -> Any:
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def close(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
 class ShardStager:
     """The staging memory of one plugin's asynchronous sharded saves (``_staging_memory``), reused from save to
     save, and the process group of their writes."""
 
     def __init__(self) -> None:
         self._memory = StagingMemory(_allocate, _spec, "ort-ckpt-shard-staging")
-        self._group: Any = None
+        self._writes = _WriteGroup()
 
     def ready(self) -> bool:
         """Whether the next save finds memory to copy into (allocated ahead, or the previous save's), without
@@ -68,7 +87,7 @@ class ShardStager:
         module's parameters and buffers, DTensors or not) and the optimizers (their state too), or None while saves
         are synchronous; asked, from :meth:`arm` on, after each optimizer step until every optimizer has stepped once. The process group
         of the background writes is made then too (every rank steps alike)."""
-        self._memory.prepare(sources, first=self.group)
+        self._memory.prepare(sources, first=self._writes)
 
     def arm(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The fit's ``optimizers`` exist: wait for their first steps (``StagingMemory.arm``)."""
@@ -82,9 +101,7 @@ class ShardStager:
     def group(self) -> Any:
         """The process group of the background writes (None without torch.distributed): made by every rank at its
         first asynchronous save (a collective on the default group, on the training thread)."""
-        if self._group is None and dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
-        return self._group
+        return self._writes()
 
     def stage(self, flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``flat`` (DCP keys to tensors and DTensors) with each local shard copied into a buffer of its own (a
@@ -108,9 +125,7 @@ class ShardStager:
         """Free the memory, remove the step hooks and destroy the process group of the background writes (after the
         last write; the plugin's ``teardown``): its sockets and threads are the fit's, not the process's."""
         self._memory.close()
-        group, self._group = self._group, None
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
+        self._writes.close()
 
 
 def stage_tree(stager: ShardStager, tree: Any) -> Any:

@@ -225,22 +225,30 @@ def restart_train_iterator(trainer: Any) -> None:
 
 
 def wrap_process_dataloader(strategy: Any, watch: Callable[[Any], None]) -> Callable[[], None]:
-    """Have ``strategy.process_dataloader`` (this instance only) hand every loader it returns to ``watch``: the last
-    step Lightning takes on a loader before the fit loop draws its first iterator (``_data_position``). Returns
-    what puts Lightning's method back."""
+    """Have ``strategy.process_dataloader`` (this instance only) hand every loader it returns to ``watch``, a bound
+    method: the last step Lightning takes on a loader before the fit loop draws its first iterator
+    (``_data_position``). Returns what puts Lightning's method back. Neither holds the other's owner: the wrap holds
+    ``watch`` weakly (the strategy keeps the wrap, and must not keep the watcher alive), the undo holds the strategy
+    weakly and knows the wrap by a token (the watcher keeps the undo): no reference cycle through either."""
     original = getattr(strategy, "process_dataloader")
+    watcher = weakref.WeakMethod(watch)
+    token = object()
 
     def process_dataloader(dataloader: Any) -> Any:
         processed = original(dataloader)
-        watch(processed)
+        watching = watcher()
+        if watching is not None:
+            watching(processed)
         return processed
 
-    setattr(process_dataloader, _MARK, True)
+    setattr(process_dataloader, _MARK, token)
     strategy.__dict__["process_dataloader"] = process_dataloader
+    owner = weakref.ref(strategy)
 
     def unwrap() -> None:
-        if strategy.__dict__.get("process_dataloader") is process_dataloader:
-            del strategy.__dict__["process_dataloader"]
+        wrapped = owner()
+        if wrapped is not None and getattr(wrapped.__dict__.get("process_dataloader"), _MARK, None) is token:
+            del wrapped.__dict__["process_dataloader"]
 
     return unwrap
 

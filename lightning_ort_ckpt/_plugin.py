@@ -31,6 +31,7 @@ end of fit (:meth:`~OrtCheckpointIOMixin.teardown`), which also stops the thread
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 import weakref
@@ -290,8 +291,7 @@ class OrtCheckpointIOMixin:
         self._attachment = _strategies.attach(strategy, self)
         self._unwrap = self._attachment.undo if self._attachment is not None else None
         self._train_start.bind(strategy, self.fast_forward_iterables, _arming(self._executors[True], self._attachment))
-        self._executors[True].prepare(  # allocates only while async_save is on
-            lambda: _save_contents.staged_sources(self._owner_strategy()) if self.async_save else None)
+        self._executors[True].prepare(functools.partial(_staged_sources, weakref.ref(self)))
 
     def _ort_ckpt_assigned_to(self, strategy: Any) -> None:
         """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
@@ -311,6 +311,14 @@ def _save_torch(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> Non
     ``OrtCheckpoint`` installed ours. Lightning's transient file, written by Lightning's own writer, in a folder
     of its own, which the launcher removes."""
     loaded()[0].fabric_attr("plugins.io.torch_io.TorchCheckpointIO")().save_checkpoint(state_dict, path)
+
+
+def _staged_sources(plugin: weakref.ref[OrtCheckpointIOMixin]) -> tuple[list[Any], list[Any]] | None:
+    """What an asynchronous save of ``plugin`` will stage, for its staging memory to allocate ahead (only while
+    ``async_save`` is on). The plugin's own ``BackgroundSaves`` holds this: weakly, or the plugin would be on a
+    reference cycle of its own, freed only by the garbage collector."""
+    io = plugin()
+    return _save_contents.staged_sources(io._owner_strategy()) if io is not None and io.async_save else None
 
 
 def _arming(executor: SaveExecutor, attachment: _strategies.Attachment | None) -> Callable[[Any], None]:

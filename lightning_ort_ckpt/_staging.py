@@ -34,6 +34,7 @@ same step) reuses the first save's copies of every tensor whose version is uncha
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 import warnings
@@ -211,11 +212,13 @@ class Stager:
     save to save, and the step pre-hooks on the optimizers its saves defer copies to."""
 
     def __init__(self) -> None:
-        self._memory = StagingMemory(self._allocate, _spec, "ort-ckpt-staging")
+        self._pinned: list[torch.Tensor] = []  # page-locked blocks, unpinned at close
+        # the memory's allocator holds the list of blocks, not this stager: no reference cycle through it, so a
+        # stager let go is freed at once, never left to the garbage collector
+        self._memory = StagingMemory(functools.partial(_allocate, self._pinned), _spec, "ort-ckpt-staging")
         # what each buffer holds a copy of, for tensors of the live module or optimizers: the source tensor (held, so
         # its memory cannot be freed and handed to another tensor meanwhile), its version and the step count then
         self._sources: dict[str, tuple[torch.Tensor, int, int]] = {}
-        self._pinned: list[torch.Tensor] = []  # page-locked blocks, unpinned at close
         self._streams: dict[torch.device, Any] = {}  # the side stream of each GPU
         self._lock = threading.Lock()
         self._pending: dict[int, list[_Item]] = {}  # deferred copies not made yet, by source memory
@@ -229,7 +232,8 @@ class Stager:
             handle.remove()
         self._memory.close()
         self._sources, self._streams = {}, {}
-        pinned, self._pinned = self._pinned, []
+        pinned = list(self._pinned)
+        self._pinned.clear()
         for block in pinned:
             _unpin(block)
 
@@ -246,35 +250,6 @@ class Stager:
     def arm(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """The fit's ``optimizers`` exist: wait for their first steps (``StagingMemory.arm``)."""
         self._memory.arm(optimizers)
-
-    def _allocate(self, specs: list[Spec], touch: bool) -> list[torch.Tensor]:
-        """Buffers for ``specs``: the pinned ones carved from one page-locked block (pinning faults every page in),
-        the others separate, touched if ``touch`` (else their first copy faults them in)."""
-        out: list[torch.Tensor] = []
-        offsets, size = [], 0
-        for shape, dtype, pinned in specs:
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            offsets.append(size if pinned and nbytes else None)
-            size += -(-nbytes // _ALIGN) * _ALIGN if pinned else 0
-        block = self._pinned_block(size) if size else None
-        for (shape, dtype, _), start in zip(specs, offsets):
-            if start is None or block is None:
-                out.append(torch.empty(shape, dtype=dtype))
-                if touch:
-                    out[-1].zero_()
-            else:
-                out.append(block[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape))
-        return out
-
-    def _pinned_block(self, size: int) -> torch.Tensor | None:
-        pages = _pin(torch.empty(size + 2 * _PAGE, dtype=torch.uint8))
-        if pages is None:
-            warnings.warn(f"could not page-lock {size / 2**20:.0f} MiB of staging memory for asynchronous saves (the "
-                          "locked-memory limit, ulimit -l?): the copies from the GPU block training while they run",
-                          CheckpointWarning, stacklevel=3)
-            return None
-        self._pinned.append(pages)
-        return pages
 
     def _stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
@@ -393,6 +368,38 @@ class Stager:
             for item in items:  # the versions before this update: the writer's in-place check must not count it
                 if item.released is None:
                     item.released = version_counter(item.source)
+
+
+def _allocate(blocks: list[torch.Tensor], specs: list[Spec], touch: bool) -> list[torch.Tensor]:
+    """A :class:`Stager`'s buffers for ``specs``: the pinned ones carved from one page-locked block (pinning faults
+    every page in; the block is added to ``blocks``, the stager's, unpinned at close), the others separate, touched if
+    ``touch`` (else their first copy faults them in)."""
+    out: list[torch.Tensor] = []
+    offsets, size = [], 0
+    for shape, dtype, pinned in specs:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        offsets.append(size if pinned and nbytes else None)
+        size += -(-nbytes // _ALIGN) * _ALIGN if pinned else 0
+    block = _pinned_block(size, blocks) if size else None
+    for (shape, dtype, _), start in zip(specs, offsets):
+        if start is None or block is None:
+            out.append(torch.empty(shape, dtype=dtype))
+            if touch:
+                out[-1].zero_()
+        else:
+            out.append(block[start:start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape))
+    return out
+
+
+def _pinned_block(size: int, blocks: list[torch.Tensor]) -> torch.Tensor | None:
+    pages = _pin(torch.empty(size + 2 * _PAGE, dtype=torch.uint8))
+    if pages is None:
+        warnings.warn(f"could not page-lock {size / 2**20:.0f} MiB of staging memory for asynchronous saves (the "
+                      "locked-memory limit, ulimit -l?): the copies from the GPU block training while they run",
+                      CheckpointWarning, stacklevel=3)
+        return None
+    blocks.append(pages)
+    return pages
 
 
 def _entries(ck: CheckpointContents, keep: Collection[str]) -> dict[str, torch.Tensor]:
