@@ -177,29 +177,65 @@ def fresh_memory(size: int) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.uint8)
 
 
-def read_range(fd: int, start: int, size: int, path: str) -> np.ndarray:
+def open_direct(fd: int) -> int | None:
+    """A second descriptor of the open file ``fd`` with ``O_DIRECT`` set (the caller closes it), or None where there
+    is none to be had (not Linux, the portable path forced, a file system without direct I/O).
+
+    The flag belongs to the open file, shared by every descriptor duplicated from it: set on ``fd`` for one read, it
+    would fail another thread's plain read of ``fd`` meanwhile. This one is opened through ``/proc/self/fd``, which
+    names the open file itself (not its path, which may lead elsewhere by now), and is checked to be the same file.
+    """
+    if portable_io() or not hasattr(os, "O_DIRECT") or not hasattr(os, "RWF_NOWAIT"):
+        return None
+    try:
+        direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK)
+    except OSError:  # no /proc, or direct I/O refused on this file system
+        return None
+    try:
+        same = os.path.samestat(os.fstat(fd), os.fstat(direct))
+    except OSError:
+        same = False
+    if not same:
+        os.close(direct)
+        return None
+    return direct
+
+
+def read_range(fd: int, start: int, size: int, path: str, direct_fd: int | None = None) -> np.ndarray:
     """Bytes ``start`` to ``start + size`` of the open file ``fd``, in fresh memory of their own.
 
     A whole-file load calls this once per tensor, so that each tensor owns its memory (a tensor kept alive keeps
     only its own bytes alive) and no whole-file buffer is ever allocated. Step by step, what the page cache already
     holds is copied from it (``RWF_NOWAIT`` reads stop at the first uncached page) and then dropped from the cache,
-    and the rest is read with ``O_DIRECT``, from the disk straight into the memory (which then spans the whole blocks
-    around the range; the array returned views the range). A buffered read of an uncached file would first fill the
-    page cache: as much fresh memory again as the file, which on VMs costs more than the disk (docs/performance.md
-    has the measurements), and it would push the training job's own files out of the
-    cache. Dropping what was copied keeps the checkpoint in memory once, not twice, and the pages it frees are the
-    ones the next tensors then reuse, instead of fresh memory; a later load of the same file reads it directly, which
-    is the fast path anyway. Pages that some process has mapped, or that are dirty, stay cached. Small ranges, and
-    systems or file systems without these calls, get plain reads, and nothing is dropped.
+    and the rest is read through ``direct_fd`` (the same file opened with ``O_DIRECT``: :func:`open_direct`), from
+    the disk straight into the memory (which then spans the whole blocks around the range; the array returned views
+    the range). A buffered read of an uncached file would first fill the page cache: as much fresh memory again as
+    the file, which on VMs costs more than the disk (docs/performance.md has the measurements), and it would push the
+    training job's own files out of the cache. Dropping what was copied keeps the checkpoint in memory once, not
+    twice, and the pages it frees are the ones the next tensors then reuse, instead of fresh memory; a later load of
+    the same file reads it directly, which is the fast path anyway. Pages that some process has mapped, or that are
+    dirty, stay cached. Without ``direct_fd`` a large range opens one of its own for the call (a load reading many
+    tensors passes its own, opened once). Small ranges, and systems or file systems without these calls, get plain
+    reads, and nothing is dropped. Safe to call from several threads at once on the same descriptors.
     """
+    own = None
+    if direct_fd is None and size >= _DIRECT_MIN:
+        direct_fd = own = open_direct(fd)
+    try:
+        return _read_range(fd, start, size, path, direct_fd)
+    finally:
+        if own is not None:
+            os.close(own)
+
+
+def _read_range(fd: int, start: int, size: int, path: str, direct_fd: int | None) -> np.ndarray:
     portable = portable_io()
-    direct = (size >= _DIRECT_MIN and not portable and hasattr(os, "O_DIRECT") and hasattr(os, "RWF_NOWAIT")
-              and hasattr(os, "preadv"))
+    direct = direct_fd is not None and size >= _DIRECT_MIN and not portable and hasattr(os, "preadv")
     head = start % _DIRECT_ALIGN if direct else 0
     out = fresh_memory(_whole_blocks(head + size) if direct else size)  # direct reads fill whole blocks
     base = start - head  # the file offset of out[0]
     view = out.data  # (the array is contiguous: its buffer as a memoryview)
-    if not direct and not portable and hasattr(os, "posix_fadvise"):
+    if not direct and size >= _DIRECT_MIN and not portable and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, start, size, os.POSIX_FADV_SEQUENTIAL)
     pos, stop = start, start + size
     while pos < stop:
@@ -208,7 +244,7 @@ def read_range(fd: int, start: int, size: int, path: str) -> np.ndarray:
             try:
                 pos = _read_cached(fd, view, base, pos, end, path)
                 if pos < end:
-                    pos = _read_direct(fd, view, base, pos, end, path)
+                    pos = _read_direct(direct_fd, view, base, pos, end, path)  # type: ignore[arg-type]
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # anything but "not on this file": a real error
                     raise
@@ -253,20 +289,13 @@ def _read_cached(fd: int, view: memoryview, base: int, pos: int, end: int, path:
     return pos
 
 
-def _read_direct(fd: int, view: memoryview, base: int, pos: int, end: int, path: str) -> int:
-    """Read from the disk, bypassing the page cache, from the block holding ``pos`` to ``end`` (into ``view``, which
-    starts at the block-aligned offset ``base``); the new pos (less than ``end`` after a short read: the caller goes
-    on from there)."""
-    import fcntl
-
+def _read_direct(direct_fd: int, view: memoryview, base: int, pos: int, end: int, path: str) -> int:
+    """Read from the disk, bypassing the page cache (``direct_fd`` has ``O_DIRECT``), from the block holding ``pos``
+    to ``end`` (into ``view``, which starts at the block-aligned offset ``base``); the new pos (less than ``end``
+    after a short read: the caller goes on from there)."""
     start = pos - pos % _DIRECT_ALIGN
     stop = _whole_blocks(end)  # the buffer is rounded up to whole blocks too
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-    try:
-        n = os.preadv(fd, [view[start - base:stop - base]], start)
-    finally:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    n = os.preadv(direct_fd, [view[start - base:stop - base]], start)
     if start + n <= pos:
         raise _shrank(start + n, path)
     return min(start + n, end)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import _atomic
-from ._diskio import check_kind, check_regular, open_regular
+from ._diskio import check_kind, check_regular, open_direct, open_regular
 from ._flatbuffers import MAX_FLATBUFFER_SIZE
 from ._index import CheckpointIndex, TensorInfo
 from ._platform import portable_io
@@ -34,6 +34,7 @@ class CheckpointFiles:
         self._data: Any = None  # the .data file opened with the checkpoint, as one consistent pair
         self.mm: Any = None
         self.data_size: int | None = None  # the .data file's size when opened (None: no .data)
+        self._direct: dict[tuple[int, int], int | None] = {}  # (device, inode) -> its O_DIRECT descriptor
         try:
             fd, data_fd = _atomic.open_pair(path)  # changes nothing on disk, even mid-commit
             self._data = None if data_fd is None else os.fdopen(data_fd, "rb", buffering=0)
@@ -90,7 +91,22 @@ class CheckpointFiles:
         """The descriptor to read ``info``'s bytes from, and the path of that file (for errors)."""
         return (self.fd, self.path) if info.storage == "inline" else (self._data_fd(), self.data_path)
 
+    def direct(self, fd: int) -> int | None:
+        """A descriptor of the file open as ``fd`` (a :meth:`source`) for direct reads (``diskio.open_direct``),
+        opened on first use and kept until :meth:`close`; None where direct I/O cannot be had. Kept by file, not by
+        descriptor: the ``.data`` file's descriptor is opened again once mapped."""
+        st = os.fstat(fd)
+        with self._mapping:  # loads read on two threads
+            key = (st.st_dev, st.st_ino)
+            if key not in self._direct:
+                self._direct[key] = open_direct(fd)
+            return self._direct[key]
+
     def close(self) -> None:
+        for direct in self._direct.values():
+            if direct is not None:
+                os.close(direct)
+        self._direct.clear()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -142,7 +142,8 @@ class CheckpointReader(Described):
             return self._healing.into(info, out)
         fd, path = self._files.source(info)
         if out is None:
-            own = read_range(fd, info.offset, info.nbytes, path) if info.nbytes else np.empty(0, np.uint8)
+            own = (read_range(fd, info.offset, info.nbytes, path, self._files.direct(fd)) if info.nbytes
+                   else np.empty(0, np.uint8))
         else:
             own, view, pos = out, out.data.cast("B"), 0
             if len(view) != info.nbytes:
@@ -167,9 +168,10 @@ class CheckpointReader(Described):
         Each tensor is read from the file straight into memory of its own, in file order (``diskio.read_range``):
         no buffer ever holds the whole file, and a tensor kept alive keeps only its own bytes alive (the optimizer
         moments torch keeps after a resume do not keep the parameters' bytes with them). With ``verify`` every
-        tensor is checked against its recorded checksum before any is handed out; for a large checkpoint each
-        tensor is hashed on a second thread as soon as it is read, while this one reads the next (the hash and the
-        reads release the GIL), so verification hides under the reads instead of following them.
+        tensor is checked against its recorded checksum before any is handed out. A large checkpoint is read on two
+        threads, each reading a tensor and then hashing it while its bytes are still in the CPU's cache: two reads
+        are in flight at once (a disk serves them together faster than one after the other) and the hashing hides
+        under the other thread's read (the reads and the hash release the GIL).
         """
         stored = sorted((i for i in self.tensors() if i.storage in ("inline", "external")),
                         key=lambda i: (i.storage, i.offset))
@@ -177,30 +179,25 @@ class CheckpointReader(Described):
             if info.storage == before.storage and info.offset < before.offset + before.nbytes:
                 raise self._fail(f"{info.kind} tensor {info.name!r} shares bytes with {before.kind} tensor "
                                  f"{before.name!r}; no checkpoint is written that way: it is damaged")
-        overlap = (verify and self._checks.usable
-                   and sum(i.nbytes for i in stored) >= _verification.PARALLEL_VERIFY_BYTES)
-        hashing = concurrent.futures.ThreadPoolExecutor(1, "ort-ckpt-verify") if overlap else None
+        stored = [i for i in stored if not self._healing.has(i)]
+        overlap = sum(i.nbytes for i in stored) >= _verification.PARALLEL_VERIFY_BYTES
+        reading = concurrent.futures.ThreadPoolExecutor(2, "ort-ckpt-read") if overlap else None
         try:
-            pending = []
-            for info in stored:
-                if self._healing.has(info):
-                    continue
-                fd, path = self._files.source(info)
-                self._own[id(info)] = read_range(fd, info.offset, info.nbytes, path)
-                if hashing is not None:
-                    pending.append(hashing.submit(self.verify_tensor, info))
-                    if pending[0].done():  # a damaged tensor stops the load at once, not after the last read
-                        pending.pop(0).result()
-            for done in pending:
-                done.result()
+            if reading is None:
+                for info in stored:
+                    self._read_own(info, False)
+            else:
+                pending = [reading.submit(self._read_own, info, verify) for info in stored]
+                for done in concurrent.futures.as_completed(pending):
+                    done.result()  # a damaged tensor stops the load at once, not after the last read
             if verify:
                 self.verify()  # what is left: everything for a small checkpoint, nothing for a large one
             tensor = self.torch if _has_torch() else self.numpy
             fresh = {id(i): self.numpy(i) if i.storage == "strings" else self._empty(i) if i.storage == "none"
                      else tensor(i) for i in self.tensors()}
         finally:
-            if hashing is not None:
-                hashing.shutdown(cancel_futures=True)
+            if reading is not None:
+                reading.shutdown(cancel_futures=True)
             self._own.clear()  # the tensors hold their memory now; a reader kept open must not
         return CheckpointContents(
             trainable={n: fresh[id(i)] for n, i in self.trainable.items()},
@@ -210,6 +207,13 @@ class CheckpointReader(Described):
                                                       for p, ms in g.states.items()})
                               for g in self.optimizer_groups.values()},
             properties=dict(self.properties), nominal=self.nominal)
+
+    def _read_own(self, info: TensorInfo, verify: bool) -> None:
+        """Read ``info``'s bytes into memory of their own for :meth:`load` (and check them, with ``verify``)."""
+        fd, path = self._files.source(info)
+        self._own[id(info)] = read_range(fd, info.offset, info.nbytes, path, self._files.direct(fd))
+        if verify:
+            self.verify_tensor(info)
 
     def module_state(self) -> CheckpointContents:
         """The parameters, buffers and properties, and the optimizer groups without their tensors, as zero-copy

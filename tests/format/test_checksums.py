@@ -231,9 +231,9 @@ def test_resume_last_falls_back_past_damage(tmp_path, damage):
 
 
 def test_two_thread_verification_names_the_damaged_tensor(tmp_path, monkeypatch):
-    """Large checkpoints are verified on a second thread: a full load hashes each tensor there as soon as it is
-    read, and the lazy ``verify()`` splits the tensors between two threads. A damaged tensor anywhere (the first,
-    the second, the last read) is named by both."""
+    """Large checkpoints are verified on two threads: a full load reads each tensor on one of two threads and hashes
+    it there as soon as it is read, and the lazy ``verify()`` splits the tensors between two threads. A damaged
+    tensor anywhere (the first, the second, the last read) is named by both."""
     from lightning_ort_ckpt.format import _verification as reader_mod
 
     monkeypatch.setattr(reader_mod, "PARALLEL_VERIFY_BYTES", 0)

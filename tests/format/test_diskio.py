@@ -107,20 +107,41 @@ def test_ranges_at_odd_offsets_are_exact(data_file, warm):
 
 
 def test_falls_back_to_plain_reads_where_direct_io_is_refused(data_file, monkeypatch):
-    import fcntl
+    """A file system without direct I/O refuses the open with ``O_DIRECT`` (EINVAL), as tmpfs did before Linux 6.6."""
+    path, payload = data_file
+    evict(path)
+    real = os.open
+
+    def refuse_direct(name, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    assert read(path).tobytes() == payload
+    assert all(cached(path, off) for off in MIDDLES)  # read through the page cache, which keeps it
+
+
+def test_reads_on_two_threads_at_once_are_exact(data_file):
+    """As a large load reads: two threads at once on the same descriptors, one of them opened for direct I/O. The
+    direct flag lives on its own descriptor: set on the shared one, it would fail the other thread's plain reads."""
+    import concurrent.futures
 
     path, payload = data_file
     evict(path)
-    real = fcntl.fcntl
-
-    def refuse_direct(fd, cmd, arg=0):
-        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, cmd, arg)
-
-    monkeypatch.setattr(fcntl, "fcntl", refuse_direct)
-    assert read(path).tobytes() == payload
-    assert all(cached(path, off) for off in MIDDLES)  # read through the page cache, which keeps it
+    fd = os.open(path, os.O_RDONLY)
+    direct = diskio.open_direct(fd)
+    try:
+        assert direct is not None  # Linux with /proc, on a file system with direct I/O
+        ranges = [(start, size) for start in range(0, SIZE - 600_000, 700_001) for size in (7, 300_001, 600_000)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda r: diskio.read_range(fd, r[0], r[1], path, direct), ranges))
+        for (start, size), out in zip(ranges, outs):
+            assert out.tobytes() == payload[start:start + size]
+    finally:
+        os.close(fd)
+        if direct is not None:
+            os.close(direct)
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
