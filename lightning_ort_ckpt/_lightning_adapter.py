@@ -320,7 +320,8 @@ def wrap_strategy_checkpointing(strategy: Any, save: Callable[..., Any], load: C
     ``save(original, *args)``, ``load(original, *args)`` and ``teardown(original)``, ``original`` being Lightning's
     bound method; returns the function that puts Lightning's back. ``teardown`` is wrapped because
     ``ModelParallelStrategy.teardown`` does not call its ``CheckpointIO``'s: ours must end with the fit all the same.
-    Installed again (after undoing a previous wrap), it wraps Lightning's own methods, never ours."""
+    Installed again (after undoing a previous wrap), it wraps Lightning's own methods, never ours. The undo holds
+    the strategy weakly: its holder (the plugin) must not keep the strategy, which keeps the plugin, on a cycle."""
     unwrap_strategy_checkpointing(strategy)
     for name, ours in zip(_STRATEGY_METHODS, (save, load, teardown)):
         original = getattr(strategy, name)
@@ -330,7 +331,14 @@ def wrap_strategy_checkpointing(strategy: Any, save: Callable[..., Any], load: C
 
         setattr(method, _MARK, True)
         strategy.__dict__[name] = method
-    return lambda: unwrap_strategy_checkpointing(strategy)
+    owner = weakref.ref(strategy)
+
+    def unwrap() -> None:
+        wrapped = owner()
+        if wrapped is not None:
+            unwrap_strategy_checkpointing(wrapped)
+
+    return unwrap
 
 
 def unwrap_strategy_checkpointing(strategy: Any) -> None:
