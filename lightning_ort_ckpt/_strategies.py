@@ -25,7 +25,9 @@ refused when the plugin is bound (:class:`CheckpointConfigError`): its ZeRO chec
 
 from __future__ import annotations
 
+import functools
 import random
+import weakref
 from typing import Any, Callable, Literal, NamedTuple, Protocol, TYPE_CHECKING
 
 import torch
@@ -113,7 +115,7 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
     from ._dcp_staging import ShardStager
 
     stager = ShardStager()  # the staging memory of asynchronous sharded saves, allocated while async_save is on
-    stager.prepare(lambda: _local_shards(strategy) if plugin.async_save and kind(strategy) == "sharded" else None)
+    stager.prepare(functools.partial(_staged_shards, weakref.ref(strategy), weakref.ref(plugin)))
 
     def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if kind(strategy) == "sharded":  # (as the plugin's own saves: deferred in a signal handler, ``_signals``)
@@ -147,6 +149,17 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
         stager.close()
 
     return Attachment(undo, stager.close, stager.arm)
+
+
+def _staged_shards(strategy: weakref.ref[Any], plugin: weakref.ref[Plugin]) -> tuple[list[torch.Tensor],
+                                                                                     list[Any]] | None:
+    """What the plugin's next asynchronous sharded save will stage (None while its saves are synchronous or not
+    sharded), for the staging memory to allocate ahead. The plugin keeps that memory fit after fit (its
+    ``Attachment``), and the strategy the plugin: both held weakly, or the plugin would be on a reference cycle."""
+    owner, io = strategy(), plugin()
+    if owner is None or io is None or not io.async_save or kind(owner) != "sharded":
+        return None
+    return _local_shards(owner)
 
 
 def _local_shards(strategy: Any) -> tuple[list[torch.Tensor], list[Any]] | None:
