@@ -114,28 +114,31 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
         return None
     from ._dcp_staging import ShardStager
 
+    owner = weakref.ref(strategy)  # what the plugin keeps (the stager) and the strategy (its methods) hold it weakly
     stager = ShardStager()  # the staging memory of asynchronous sharded saves, allocated while async_save is on
-    stager.prepare(functools.partial(_staged_shards, weakref.ref(strategy), weakref.ref(plugin)))
+    stager.prepare(functools.partial(_staged_shards, owner, weakref.ref(plugin)))
 
     def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if kind(strategy) == "sharded":  # (as the plugin's own saves: deferred in a signal handler, ``_signals``)
-            plugin._reentry.call(lambda: save_sharded_checkpoint(strategy, plugin, checkpoint, filepath,
-                                                                 storage_options, stager if plugin.async_save
-                                                                 else None), defer=True)
+        served: Any = owner()  # (alive: it is calling)
+        if kind(served) == "sharded":  # (as the plugin's own saves: deferred in a signal handler, ``_signals``)
+            plugin._reentry.call(lambda: save_sharded_checkpoint(served, plugin, checkpoint, filepath,
+                                                               storage_options, stager if plugin.async_save
+                                                               else None), defer=True)
         else:  # Lightning's own: rank 0 writes the gathered state through the plugin, with every rank's random states
-            original({**checkpoint, RANKS_RNG_KEY: gather_random_states(strategy)}, filepath,
+            original({**checkpoint, RANKS_RNG_KEY: gather_random_states(served)}, filepath,
                      storage_options=storage_options)
 
     def load(original: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from ._dcp_folder import is_sharded_checkpoint
         from ._reading import is_ort_checkpoint
 
-        path = str(strategy.broadcast(checkpoint_path))
+        served: Any = owner()  # (alive: it is calling)
+        path = str(served.broadcast(checkpoint_path))
         store = plugin.stores.of(path)
         if is_sharded_checkpoint(path, store):
-            return load_sharded_checkpoint(strategy, plugin, path)
+            return load_sharded_checkpoint(served, plugin, path)
         if is_ort_checkpoint(path, store):
-            return load_full_checkpoint(strategy, plugin, path)
+            return load_full_checkpoint(served, plugin, path)
         return original(checkpoint_path, weights_only)  # Lightning's own files: its DCP folders, torch files
 
     def teardown(original: Any) -> None:
