@@ -320,17 +320,29 @@ def wrap_strategy_checkpointing(strategy: Any, save: Callable[..., Any], load: C
     ``save(original, *args)``, ``load(original, *args)`` and ``teardown(original)``, ``original`` being Lightning's
     bound method; returns the function that puts Lightning's back. ``teardown`` is wrapped because
     ``ModelParallelStrategy.teardown`` does not call its ``CheckpointIO``'s: ours must end with the fit all the same.
-    Installed again (after undoing a previous wrap), it wraps Lightning's own methods, never ours."""
+    Installed again (after undoing a previous wrap), it wraps Lightning's own methods, never ours. Nothing here
+    holds the strategy strongly: the wraps (which it keeps) hold its own bound methods weakly, and the undo (which
+    the plugin keeps, and the strategy keeps the plugin) the strategy: no reference cycle through either."""
     unwrap_strategy_checkpointing(strategy)
     for name, ours in zip(_STRATEGY_METHODS, (save, load, teardown)):
         original = getattr(strategy, name)
+        held = (weakref.WeakMethod(original) if getattr(original, "__self__", None) is strategy
+                else lambda _original=original: _original)  # (another's instance attribute: held as it was)
 
-        def method(*args: Any, _ours: Callable[..., Any] = ours, _original: Any = original, **kwargs: Any) -> Any:
-            return _ours(_original, *args, **kwargs)
+        def method(*args: Any, _ours: Callable[..., Any] = ours, _held: Callable[[], Any] = held,
+                   **kwargs: Any) -> Any:
+            return _ours(_held(), *args, **kwargs)
 
         setattr(method, _MARK, True)
         strategy.__dict__[name] = method
-    return lambda: unwrap_strategy_checkpointing(strategy)
+    owner = weakref.ref(strategy)
+
+    def unwrap() -> None:
+        wrapped = owner()
+        if wrapped is not None:
+            unwrap_strategy_checkpointing(wrapped)
+
+    return unwrap
 
 
 def unwrap_strategy_checkpointing(strategy: Any) -> None:

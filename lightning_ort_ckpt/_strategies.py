@@ -25,7 +25,9 @@ refused when the plugin is bound (:class:`CheckpointConfigError`): its ZeRO chec
 
 from __future__ import annotations
 
+import functools
 import random
+import weakref
 from typing import Any, Callable, Literal, NamedTuple, Protocol, TYPE_CHECKING
 
 import torch
@@ -112,28 +114,31 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
         return None
     from ._dcp_staging import ShardStager
 
+    owner = weakref.ref(strategy)  # what the plugin keeps (the stager) and the strategy (its methods) hold it weakly
     stager = ShardStager()  # the staging memory of asynchronous sharded saves, allocated while async_save is on
-    stager.prepare(lambda: _local_shards(strategy) if plugin.async_save and kind(strategy) == "sharded" else None)
+    stager.prepare(functools.partial(_staged_shards, owner, weakref.ref(plugin)))
 
     def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if kind(strategy) == "sharded":  # (as the plugin's own saves: deferred in a signal handler, ``_signals``)
-            plugin._reentry.call(lambda: save_sharded_checkpoint(strategy, plugin, checkpoint, filepath,
-                                                                 storage_options, stager if plugin.async_save
-                                                                 else None), defer=True)
+        served: Any = owner()  # (alive: it is calling)
+        if kind(served) == "sharded":  # (as the plugin's own saves: deferred in a signal handler, ``_signals``)
+            plugin._reentry.call(lambda: save_sharded_checkpoint(served, plugin, checkpoint, filepath,
+                                                               storage_options, stager if plugin.async_save
+                                                               else None), defer=True)
         else:  # Lightning's own: rank 0 writes the gathered state through the plugin, with every rank's random states
-            original({**checkpoint, RANKS_RNG_KEY: gather_random_states(strategy)}, filepath,
+            original({**checkpoint, RANKS_RNG_KEY: gather_random_states(served)}, filepath,
                      storage_options=storage_options)
 
     def load(original: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from ._dcp_folder import is_sharded_checkpoint
         from ._reading import is_ort_checkpoint
 
-        path = str(strategy.broadcast(checkpoint_path))
+        served: Any = owner()  # (alive: it is calling)
+        path = str(served.broadcast(checkpoint_path))
         store = plugin.stores.of(path)
         if is_sharded_checkpoint(path, store):
-            return load_sharded_checkpoint(strategy, plugin, path)
+            return load_sharded_checkpoint(served, plugin, path)
         if is_ort_checkpoint(path, store):
-            return load_full_checkpoint(strategy, plugin, path)
+            return load_full_checkpoint(served, plugin, path)
         return original(checkpoint_path, weights_only)  # Lightning's own files: its DCP folders, torch files
 
     def teardown(original: Any) -> None:
@@ -147,6 +152,17 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
         stager.close()
 
     return Attachment(undo, stager.close, stager.arm)
+
+
+def _staged_shards(strategy: weakref.ref[Any], plugin: weakref.ref[Plugin]) -> tuple[list[torch.Tensor],
+                                                                                     list[Any]] | None:
+    """What the plugin's next asynchronous sharded save will stage (None while its saves are synchronous or not
+    sharded), for the staging memory to allocate ahead. The plugin keeps that memory fit after fit (its
+    ``Attachment``), and the strategy the plugin: both held weakly, or the plugin would be on a reference cycle."""
+    owner, io = strategy(), plugin()
+    if owner is None or io is None or not io.async_save or kind(owner) != "sharded":
+        return None
+    return _local_shards(owner)
 
 
 def _local_shards(strategy: Any) -> tuple[list[torch.Tensor], list[Any]] | None:
