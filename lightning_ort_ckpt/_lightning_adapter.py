@@ -229,13 +229,17 @@ def wrap_process_dataloader(strategy: Any, watch: Callable[[Any], None]) -> Call
     method: the last step Lightning takes on a loader before the fit loop draws its first iterator
     (``_data_position``). Returns what puts Lightning's method back. Neither holds the other's owner: the wrap holds
     ``watch`` weakly (the strategy keeps the wrap, and must not keep the watcher alive), the undo holds the strategy
-    weakly and knows the wrap by a token (the watcher keeps the undo): no reference cycle through either."""
-    original = getattr(strategy, "process_dataloader")
+    weakly and knows the wrap by a token (the watcher keeps the undo), and the wrap, kept in the strategy's
+    ``__dict__``, holds Lightning's method weakly: no reference cycle through any of them."""
+    found = getattr(strategy, "process_dataloader")  # Lightning's bound method: held weakly, it holds the strategy
+    original = weakref.WeakMethod(found) if isinstance(found, types.MethodType) else (lambda: found)
     watcher = weakref.WeakMethod(watch)
     token = object()
 
     def process_dataloader(dataloader: Any) -> Any:
-        processed = original(dataloader)
+        method = original()
+        assert method is not None  # (the strategy that holds this wrap is alive while it is called)
+        processed = method(dataloader)
         watching = watcher()
         if watching is not None:
             watching(processed)

@@ -223,7 +223,8 @@ def test_a_plugin_is_freed_at_its_last_reference_not_by_the_collector(async_save
     """Where nothing of Lightning's holds it: a plugin bound to a strategy it was not given to (its data position
     watched, its staging memory prepared), that saved (an asynchronous save: its writer thread, its staging memory)
     and was torn down, is freed with everything of ours it made the moment the last reference goes, the collector
-    off; the strategy's ``process_dataloader`` is then Lightning's again in effect (the wrap watches nothing)."""
+    off; the strategy's ``process_dataloader`` is then Lightning's again in effect (the wrap watches nothing), and the
+    strategy too is freed at its last reference."""
     from pytorch_lightning.strategies import SingleDeviceStrategy
 
     strategy = SingleDeviceStrategy(device=torch.device("cpu"))
@@ -240,6 +241,9 @@ def test_a_plugin_is_freed_at_its_last_reference_not_by_the_collector(async_save
     assert [type(r()).__name__ for r in refs if r() is not None] == []
     loader = DataLoader(TensorDataset(torch.zeros(2, 1)))
     assert strategy.process_dataloader(loader) is loader
+    held = weakref.ref(strategy)
+    del strategy  # nor does the wrap the strategy keeps put the strategy on a cycle: freed at its last reference
+    assert held() is None
 
 
 def test_no_fork_handler_of_ours_and_none_runs_in_a_child(tmp_path: Path) -> None:
