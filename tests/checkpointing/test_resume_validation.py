@@ -4,8 +4,10 @@
 follows that batch. Lightning resumes such a file past that validation (its loops skip it), so whatever validation
 draws from the global generators (a shuffled validation loader, ``torch.rand`` in ``validation_step``) is not drawn,
 its metrics are not logged, and every random number after it differs. The resumed fit must run that validation:
-final weights, optimizer state, random states and the validation values logged are the uninterrupted run's.
-Real Trainers in one process; the resume starts from the uninterrupted run's own file of that step.
+final weights, optimizer state, random states, the validation values logged and the loops' counters are the
+uninterrupted run's. The same for the validation at the end of an epoch (a save on its last batch), which Lightning
+skips with the rest of that epoch's end. Real Trainers in one process, with their sanity check; the resume starts
+from the uninterrupted run's own file of that step.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
+from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt.errors import CheckpointWarning
 
-STEPS = 14  # epochs of 10 batches: validation after steps 3, 6, 9 of each
+STEPS = 14  # epochs of 10 batches
+INTERVAL = {"val_check_interval": 3}  # validation after batches 3, 6, 9 of each epoch
+EPOCH_END = {}  # validation at the end of each epoch: after its last batch
 
 
 class Net(pl.LightningModule):
@@ -59,25 +65,25 @@ class Net(pl.LightningModule):
                           batch_size=4, shuffle=True)
 
 
-def fit(root: Path, how: str, ckpt_path: Path | None = None) -> tuple[Net, pl.Trainer, dict[str, Any]]:
+def fit(root: Path, how: str, ckpt_path: Path | None = None, every: int = 3, steps: int = STEPS,
+        options: dict[str, Any] = INTERVAL) -> tuple[Net, pl.Trainer, dict[str, Any]]:
     pl.seed_everything(5)
     model = Net()
     if how == "plugin":
-        callbacks: list[Any] = [ModelCheckpoint(root, every_n_train_steps=3, save_top_k=-1)]
+        callbacks: list[Any] = [ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1)]
         plugins: list[Any] = [OrtCheckpointIO()]
     else:
-        callbacks, plugins = [OrtCheckpoint(root, every_n_train_steps=3, save_top_k=-1,
+        callbacks, plugins = [OrtCheckpoint(root, every_n_train_steps=every, save_top_k=-1,
                                             async_save=how == "async")], []
-    trainer = pl.Trainer(max_steps=STEPS, val_check_interval=3, accelerator="cpu", devices=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=callbacks, plugins=plugins)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks, plugins=plugins, **options)
     trainer.fit(model, ckpt_path=ckpt_path)
     states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     return model, trainer, states
 
 
 def saved_at(root: Path, step: int) -> Path:
-    (path,) = root.glob(f"*step={step}*.ckpt")
+    (path,) = [p for p in root.glob("*.ckpt") if f"step={step}." in p.name or f"step={step}-" in p.name]
     return path
 
 
@@ -89,12 +95,18 @@ def assert_same_optimizer_state(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(value, b["state"][i][key]), (i, key)
 
 
-@pytest.mark.parametrize("step", [3, 6])
-@pytest.mark.parametrize("how", ["sync", "async", "plugin"])
-def test_a_save_before_validation_resumes_bitwise(tmp_path: Path, how: str, step: int) -> None:
-    straight, straight_trainer, straight_states = fit(tmp_path / "straight", how)
-    resumed, resumed_trainer, resumed_states = fit(tmp_path / "resumed", how,
-                                                   saved_at(tmp_path / "straight", step))
+CASES = [(how, step, INTERVAL, 3, STEPS) for step in (3, 6) for how in ("sync", "async", "plugin")] + [
+    ("sync", 10, EPOCH_END, 5, 25), ("async", 20, EPOCH_END, 5, 25), ("plugin", 10, EPOCH_END, 5, 25)]
+
+
+@pytest.mark.parametrize(("how", "step", "options", "every", "steps"), CASES,
+                         ids=[f"{c[0]}-step{c[1]}-{'interval' if c[2] else 'epoch_end'}" for c in CASES])
+def test_a_save_before_validation_resumes_bitwise(tmp_path: Path, how: str, step: int, options: dict[str, Any],
+                                                  every: int, steps: int) -> None:
+    """The uninterrupted fit (with its sanity check) against one resumed from its own file of ``step``."""
+    straight, straight_trainer, straight_states = fit(tmp_path / "straight", how, None, every, steps, options)
+    resumed, resumed_trainer, resumed_states = fit(tmp_path / "resumed", how, saved_at(tmp_path / "straight", step),
+                                                   every, steps, options)
     assert resumed.logged == [(s, v) for s, v in straight.logged if s >= step]  # the validation after the save ran
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
@@ -104,6 +116,28 @@ def test_a_save_before_validation_resumes_bitwise(tmp_path: Path, how: str, step
     assert straight_states["python"] == resumed_states["python"]
     a, b = straight_states["numpy"], resumed_states["numpy"]
     assert a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
-    assert resumed_trainer.global_step == straight_trainer.global_step == STEPS
-    assert (resumed_trainer.fit_loop.state_dict() == straight_trainer.fit_loop.state_dict())  # no batch, no
-    # validation counted twice or skipped
+    assert resumed_trainer.global_step == straight_trainer.global_step == steps
+    assert resumed_trainer.fit_loop.state_dict() == straight_trainer.fit_loop.state_dict()
+    later = [read_lightning_checkpoint(saved_at(tmp_path / run, step + every))["loops"]
+             for run in ("straight", "resumed")]
+    assert later[0] == later[1]  # the loops count no batch, no validation batch, twice or not at all
+
+
+def test_a_trainer_that_does_not_validate_there_says_what_differs(tmp_path: Path) -> None:
+    fit(tmp_path / "straight", "sync")
+    with pytest.warns(CheckpointWarning, match="before the validation after step 3, which this Trainer does not run"):
+        fit(tmp_path / "resumed", "sync", saved_at(tmp_path / "straight", 3), options={"val_check_interval": 4})
+
+
+def test_only_a_save_that_validation_follows_records_it(tmp_path: Path) -> None:
+    """Saves at every step: those of steps 3, 6, 9 and 13 (10 batches an epoch) come before a validation; the
+    others resume as Lightning resumes them."""
+    from lightning_ort_ckpt._validation_resume import VALIDATION_KEY
+
+    fit(tmp_path, "sync", every=1)
+    recorded = {}
+    for step in range(1, STEPS + 1):
+        checkpoint = read_lightning_checkpoint(saved_at(tmp_path, step))
+        if VALIDATION_KEY in checkpoint:
+            recorded[step] = checkpoint[VALIDATION_KEY]
+    assert recorded == {3: 3, 6: 6, 9: 9, 13: 13}
