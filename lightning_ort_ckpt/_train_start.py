@@ -55,8 +55,9 @@ def restore_at_train_start(trainer: Any, plugin: Restorer) -> Callable[[], None]
 
 class TrainStart:
     """What a fit resumed from one of our files restores when training starts, for one plugin: the random states,
-    the data position of the bound strategy's training loaders (``_data_position``), and the callback that asks for
-    it where no callback of ours does (taken out at :meth:`end_fit`)."""
+    the data position of the bound strategy's training loaders (``_data_position``), the validation its checkpoint
+    was saved before (``_validation_resume``), and the callback that asks for it where no callback of ours does
+    (taken out at :meth:`end_fit`)."""
 
     def __init__(self) -> None:
         self._pending: tuple[Any, Any, str] | None = None  # (random states, epoch, path) of the checkpoint
