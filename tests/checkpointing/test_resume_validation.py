@@ -99,8 +99,12 @@ CASES = [(how, step, INTERVAL, 3, STEPS) for step in (3, 6) for how in ("sync", 
     ("sync", 10, EPOCH_END, 5, 25), ("async", 20, EPOCH_END, 5, 25), ("plugin", 10, EPOCH_END, 5, 25)]
 
 
-@pytest.mark.parametrize(("how", "step", "options", "every", "steps"), CASES,
-                         ids=[f"{c[0]}-step{c[1]}-{'interval' if c[2] else 'epoch_end'}" for c in CASES])
+SMOKE = {("sync", 3), ("sync", 10)}  # on the floor Lightning too (scripts/floor.sh): the loop layout rewritten
+
+
+@pytest.mark.parametrize(("how", "step", "options", "every", "steps"), [
+    pytest.param(*c, id=f"{c[0]}-step{c[1]}-{'interval' if c[2] else 'epoch_end'}",
+                 marks=[pytest.mark.smoke] if c[:2] in SMOKE else []) for c in CASES])
 def test_a_save_before_validation_resumes_bitwise(tmp_path: Path, how: str, step: int, options: dict[str, Any],
                                                   every: int, steps: int) -> None:
     """The uninterrupted fit (with its sanity check) against one resumed from its own file of ``step``."""
