@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from . import _rng, _strategies, _validation_resume
+from . import _rng, _strategies
 from ._rng import RNG_KEY
 from ._translation.lightning_dict import ModuleInfo, to_ort
 from .errors import CheckpointWarning
@@ -22,8 +22,7 @@ def ort_contents(checkpoint: dict[str, Any], path: str, fabric: tuple[Any, Any] 
     with or defer to). ``strategy``: the one the plugin is bound to, if its module holds these tensors."""
     if fabric is not None:  # no random states: Fabric leaves them to the script
         return to_ort(fabric[0], fabric[1], ort_compatible=ort_compatible), None
-    checkpoint = {**checkpoint, RNG_KEY: _rng.capture(), **position(),
-                  **_validation_resume.due(strategy)}
+    checkpoint = {**checkpoint, RNG_KEY: _rng.capture(), **position()}
     if strategy is None or strategy.lightning_module is None:
         warnings.warn(f"{path}: OrtCheckpointIO is not attached to a Trainer (it was called directly, or with a "
                       "state_dict that is not its module's), so it cannot tell trainable parameters from buffers: "

@@ -81,7 +81,8 @@ class TrainStart:
     def resume_from(self, checkpoint: dict[str, Any], path: str, trainer: Any, plugin: Restorer) -> None:
         """``trainer`` fits from ``checkpoint`` (read from ``path``); None: the load is not a fit's."""
         step = _validation_resume.resume_into_validation(checkpoint, trainer is not None)
-        self._into_validation = (step, path) if step is not None else None
+        if step is not None:  # (a sharded strategy's full-state load hands the same checkpoint twice)
+            self._into_validation = (step, path)
         if trainer is None:
             self._pending = None
             return
@@ -100,6 +101,7 @@ class TrainStart:
             restore(*pending, trainer, self._data)
 
     def end_fit(self) -> None:
+        self._into_validation = None
         if self._data is not None:
             self._data.end_fit()
         self._remove()
