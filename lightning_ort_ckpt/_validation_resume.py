@@ -7,7 +7,7 @@ monitored value that ranks saves and stops early all differ from the uninterrupt
 validation was due (:data:`VALIDATION_KEY`, the step), and the resume turns the loops' state into that of a save
 at that validation's first batch: Lightning restarts it from its first batch, ends the epoch where that batch was
 its last (Lightning would skip the epoch's end too), then trains on (``_lightning_adapter.loops_into_validation``).
-A file without the record (ORT's, Fabric's, an older version's, a sharded save's) resumes as Lightning resumes it.
+A file without the record (ORT's, Fabric's, an older version's) resumes as Lightning resumes it.
 """
 
 from __future__ import annotations
