@@ -179,17 +179,20 @@ def validation_follows_batch(trainer: Any) -> bool:
     return follows
 
 
-def saved_before_validation(trainer: Any) -> bool:
+def saved_before_validation(trainer: Any) -> str | None:
     """Whether a save now is at the end of a training batch (its hooks run, the batch not yet counted completed)
-    that validation follows (the fit's last step too: a fit resumed with more steps runs it), by the batch-count rule
-    alone: a resumed fit asks that rule again, and a fresh Trainer's clock and ``should_stop`` cannot give the same
-    answer (``_validation_resume``)."""
+    that validation follows (the fit's last step too: a fit resumed with more steps runs it): ``"batches"`` where
+    the batch-count rule decides it, which a resumed fit asks again; ``"other"`` where elapsed time or
+    ``should_stop`` does, which a fresh Trainer cannot answer the same way; None where no validation follows
+    (``_validation_resume``)."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     at_end = all(p.ready == p.started == p.processed == p.completed + 1 for p in (progress.total, progress.current))
     val = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
-    return (at_end and val.ready == val.started == val.processed == val.completed
-            and trainer.training and not trainer.sanity_checking and not trainer.should_stop
-            and getattr(trainer, "_val_check_time_interval", None) is None and validation_follows_batch(trainer))
+    if not (at_end and val.ready == val.started == val.processed == val.completed and trainer.training
+            and not trainer.sanity_checking and validation_follows_batch(trainer)):
+        return None
+    timed = getattr(trainer, "_val_check_time_interval", None) is not None
+    return "other" if timed or trainer.should_stop else "batches"
 
 
 def loops_into_validation(loops: Any) -> bool:

@@ -80,7 +80,7 @@ class TrainStart:
 
     def resume_from(self, checkpoint: dict[str, Any], path: str, trainer: Any, plugin: Restorer) -> None:
         """``trainer`` fits from ``checkpoint`` (read from ``path``); None: the load is not a fit's."""
-        step = _validation_resume.resume_into_validation(checkpoint, trainer is not None)
+        step = _validation_resume.resume_into_validation(checkpoint, trainer is not None, path)
         if step is not None:  # (a sharded strategy's full-state load hands the same checkpoint twice)
             self._into_validation = (step, path)
         if trainer is None:

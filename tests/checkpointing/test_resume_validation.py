@@ -145,3 +145,30 @@ def test_only_a_save_that_validation_follows_records_it(tmp_path: Path) -> None:
         if VALIDATION_KEY in checkpoint:
             recorded[step] = checkpoint[VALIDATION_KEY]
     assert recorded == {3: 3, 6: 6, 9: 9, 13: 13}
+
+
+class StopAt(pl.Callback):
+    """Asks the fit to stop at the end of a step (before the checkpoint callback saves it): Lightning validates
+    then, and stops."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def test_a_validation_the_resume_cannot_decide_is_named(tmp_path: Path) -> None:
+    """The validation after step 4 ran because the fit was stopping (``should_stop``), which a resumed fit does not
+    know: its file records that, and the resume warns that the validation is not run."""
+    pl.seed_everything(5)
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, val_check_interval=3,
+                         callbacks=[StopAt(4), OrtCheckpoint(tmp_path / "stopped", every_n_train_steps=2,
+                                                             save_top_k=-1)])
+    trainer.fit(Net())
+    assert trainer.global_step == 4
+    with pytest.warns(CheckpointWarning, match="validation after step 4, which ran by elapsed time or because the "
+                                               "fit was stopping"):
+        fit(tmp_path / "resumed", "sync", saved_at(tmp_path / "stopped", 4))
