@@ -8,8 +8,9 @@ What it holds:
 
 - **reads and calls** of private attributes (:func:`raw_checkpoint_io`, :func:`resolve_ckpt_dir`,
   :func:`logger_log_model`, :func:`validation_follows`, :func:`trainer_of`, :func:`restart_train_iterator`,
-  :func:`train_loaders`, :func:`prefetched_batches`) and
-  of the fit loop's private state layout (:func:`fit_loop_state_at_step`): functions here;
+  :func:`train_loaders`, :func:`prefetched_batches`, :func:`saved_before_validation`) and
+  of the fit loop's private state layout (:func:`fit_loop_state_at_step`, :func:`loops_into_validation`,
+  :func:`settle_validation_restart`): functions here;
 - **overrides and calls** of ``ModelCheckpoint``'s private methods by ``OrtCheckpoint``: listed in
   :data:`MODEL_CHECKPOINT_PRIVATE` (the tests check that every supported Lightning has them);
 - **the per-strategy wrap** of ``save_checkpoint``/``load_checkpoint`` (:func:`wrap_strategy_checkpointing`): the
@@ -176,6 +177,63 @@ def validation_follows_batch(trainer: Any) -> bool:
         return bool(getattr(trainer.fit_loop.epoch_loop.batch_progress, "is_last_batch", False)) and (
             every is None or (trainer.current_epoch + 1) % every == 0)
     return follows
+
+
+def saved_before_validation(trainer: Any) -> str | None:
+    """Whether a save now is at the end of a training batch (its hooks run, the batch not yet counted completed)
+    that validation follows (the fit's last step too: a fit resumed with more steps runs it): ``"batches"`` where
+    the batch-count rule decides it, which a resumed fit asks again; ``"other"`` where elapsed time or
+    ``should_stop`` does, which a fresh Trainer cannot answer the same way; None where no validation follows
+    (``_validation_resume``)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    at_end = all(p.ready == p.started == p.processed == p.completed + 1 for p in (progress.total, progress.current))
+    val = trainer.fit_loop.epoch_loop.val_loop.batch_progress.total
+    if not (at_end and val.ready == val.started == val.processed == val.completed and trainer.training
+            and not trainer.sanity_checking and validation_follows_batch(trainer)):
+        return None
+    timed = getattr(trainer, "_val_check_time_interval", None) is not None
+    return "other" if timed or trainer.should_stop else "batches"
+
+
+def loops_into_validation(loops: Any) -> bool:
+    """Rewrite a checkpoint's loop state saved by :func:`saved_before_validation` (Lightning's "restarted on train
+    batch end", which resumes past that batch's validation, and past the end of its epoch on the epoch's last batch)
+    into the state of a save inside that validation, at its first batch: the training batch completed, one
+    validation batch started, none processed. Lightning's own restart "mid evaluation" then runs the whole
+    validation, ends the epoch where it was the last batch, and trains on. False (nothing changed) where the state
+    is not that of such a save. :func:`settle_validation_restart` takes the started batch back once the loops chose
+    their restart."""
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    train: Any = fit.get("epoch_loop.batch_progress") if isinstance(fit, dict) else None
+    val: Any = fit.get("epoch_loop.val_loop.batch_progress") if isinstance(fit, dict) else None
+    if not isinstance(train, dict) or not isinstance(val, dict):
+        return False
+    try:
+        parts, total = [train["total"], train["current"]], val["total"]
+        if not (all(p["ready"] == p["started"] == p["processed"] == p["completed"] + 1 for p in parts)
+                and total["ready"] == total["started"] == total["processed"] == total["completed"]):
+            return False
+    except (KeyError, TypeError):
+        return False
+    for p in parts:
+        p["completed"] = p["processed"]
+    total["ready"] = total["started"] = total["completed"] + 1  # counted over the epoch's validations
+    val["current"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}  # this validation's
+    val["is_last_batch"] = False
+    return True
+
+
+def settle_validation_restart(trainer: Any) -> bool:
+    """When training starts, after the loops chose to restart inside validation (:func:`loops_into_validation`):
+    the validation batch counted started, which no run processed, is not counted, so the loops count each
+    validation batch once, as the uninterrupted run's do. Returns whether the epoch loop runs that validation (a
+    Trainer whose validation settings differ from the saving run's may not)."""
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    if not val_loop.restarted_mid_evaluation:
+        return False
+    for p in (val_loop.batch_progress.total, val_loop.batch_progress.current):
+        p.ready = p.started = p.completed
+    return bool(validation_follows(trainer))
 
 
 def set_resumed_path(trainer: Any, path: str) -> None:

@@ -42,7 +42,7 @@ import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Light
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from . import (_fabric, _lightning_adapter, _promotion, _save_contents, _sharing, _signals, _staging, _strategies,
-               _train_start)
+               _train_start, _validation_resume)
 from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
 from ._namespaces import loaded
 from ._reading import is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
@@ -189,8 +189,9 @@ class OrtCheckpointIOMixin:
         return _fabric.fabric_state(map_location_of(self.loaded(checkpoint, path), map_location))
 
     def data_position(self) -> dict[str, Any]:
-        """``{DATA_KEY: where each training loader of the bound fit stands}``, or ``{}`` outside a fit."""
-        return self._train_start.position()
+        """``{DATA_KEY: where each training loader of the bound fit stands}``, with ``{VALIDATION_KEY: step}`` at a
+        training batch's end that validation follows (``_validation_resume``); ``{}`` outside a fit."""
+        return {**self._train_start.position(), **_validation_resume.due(self._owner_strategy())}
 
     def loaded(self, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
         """``checkpoint`` (read from ``path``) is what the bound fit resumes from: its random states and data

@@ -22,6 +22,7 @@ from . import _lightning_adapter
 from ._namespaces import loaded, namespace_of
 from ._data_position import DATA_KEY
 from ._rng import RNG_KEY
+from ._validation_resume import UNDECIDABLE_KEY, VALIDATION_KEY
 from ._torch_files import load_torch_file
 from ._translation.lightning_dict import MANIFEST, from_ort, plain_ort_to_lightning, with_aliases
 from ._translation.optimizers import torch_state_from_ort
@@ -171,6 +172,8 @@ def load_ort_for_lightning(path: str | os.PathLike[str], map_location: Any = Non
     checkpoint = read_lightning_checkpoint(path, store=store)
     checkpoint.pop(RNG_KEY, None)
     checkpoint.pop(DATA_KEY, None)
+    checkpoint.pop(VALIDATION_KEY, None)
+    checkpoint.pop(UNDECIDABLE_KEY, None)
     return map_location_of(checkpoint, map_location)
 
 

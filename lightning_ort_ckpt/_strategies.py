@@ -56,7 +56,8 @@ class Plugin(Protocol):
     def run_in_order(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
     def data_position(self) -> dict[str, Any]:
-        """The fit's data position, keyed as a checkpoint keeps it (empty outside a fit)."""
+        """The fit's data position (and the validation due after this batch), keyed as a checkpoint keeps them
+        (empty outside a fit)."""
         ...
 
     def wait(self) -> None: ...

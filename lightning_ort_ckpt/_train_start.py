@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import _lightning_adapter, _rng
+from . import _lightning_adapter, _rng, _validation_resume
 from ._data_position import DATA_KEY, TrainData
 from ._namespaces import namespace_of
 from ._rng import RNG_KEY
@@ -55,11 +55,13 @@ def restore_at_train_start(trainer: Any, plugin: Restorer) -> Callable[[], None]
 
 class TrainStart:
     """What a fit resumed from one of our files restores when training starts, for one plugin: the random states,
-    the data position of the bound strategy's training loaders (``_data_position``), and the callback that asks for
-    it where no callback of ours does (taken out at :meth:`end_fit`)."""
+    the data position of the bound strategy's training loaders (``_data_position``), the validation its checkpoint
+    was saved before (``_validation_resume``), and the callback that asks for it where no callback of ours does
+    (taken out at :meth:`end_fit`)."""
 
     def __init__(self) -> None:
         self._pending: tuple[Any, Any, str] | None = None  # (random states, epoch, path) of the checkpoint
+        self._into_validation: tuple[int, str] | None = None  # (step, path): the validation resumed into
         self._data: TrainData | None = None
         self._remove: Callable[[], None] = lambda: None
 
@@ -78,6 +80,9 @@ class TrainStart:
 
     def resume_from(self, checkpoint: dict[str, Any], path: str, trainer: Any, plugin: Restorer) -> None:
         """``trainer`` fits from ``checkpoint`` (read from ``path``); None: the load is not a fit's."""
+        step = _validation_resume.resume_into_validation(checkpoint, trainer is not None, path)
+        if step is not None:  # (a sharded strategy's full-state load hands the same checkpoint twice)
+            self._into_validation = (step, path)
         if trainer is None:
             self._pending = None
             return
@@ -89,10 +94,14 @@ class TrainStart:
 
     def at_train_start(self, trainer: Any) -> None:
         pending, self._pending = self._pending, None
+        into, self._into_validation = self._into_validation, None
+        if into is not None:
+            _validation_resume.settle(trainer, *into)
         if pending is not None:
             restore(*pending, trainer, self._data)
 
     def end_fit(self) -> None:
+        self._into_validation = None
         if self._data is not None:
             self._data.end_fit()
         self._remove()

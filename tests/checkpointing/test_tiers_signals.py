@@ -227,13 +227,16 @@ def test_sigterm_in_the_sanity_check_exits_cleanly(tmp_path: Path) -> None:
     assert_exact(trainer)
 
 
-def test_sigterm_during_an_async_save_commits_the_current_step(tmp_path: Path) -> None:
-    """SIGTERM while the background write of step 4's fast-tier file is in progress (held until the signal was
+@pytest.mark.parametrize("at", [3, 4])
+def test_sigterm_during_an_async_save_commits_the_current_step(tmp_path: Path, at: int) -> None:
+    """SIGTERM while the background write of step ``at``'s fast-tier file is in progress (held until the signal was
     sent): no deadlock; Lightning stops at the next batch boundary, and the step it stops at is committed (with
-    the one before it: keep 2) and resumed from bit for bit."""
-    out = run_child(tmp_path, 1, True, {99: "none"}, [("writing step=4.ckpt", signal.SIGTERM)], slow="step=4.ckpt")
+    the one before it: keep 2) and resumed from bit for bit. Step 3's file is saved before the validation that
+    follows step 3, which the resumed fit runs (``_validation_resume``)."""
+    out = run_child(tmp_path, 1, True, {99: "none"}, [(f"writing step={at}.ckpt", signal.SIGTERM)],
+                    slow=f"step={at}.ckpt")
     step = interrupted_at(out)
-    assert step in (4, 5) and "finished" not in out, out  # (the next save, of step 5, waits for step 4's write)
+    assert step in (at, at + 1) and "finished" not in out, out  # (the next save waits for this one's write)
     fast = tmp_path / "fast"
     assert sorted(os.listdir(fast)) == sorted([f"step={step - 1}.ckpt", f"step={step}.ckpt"]), out
     assert read_lightning_checkpoint(fast / f"step={step}.ckpt")["global_step"] == step

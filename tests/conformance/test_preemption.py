@@ -13,8 +13,8 @@ save_on_exception=True)`` and prints what it does; the parent sends SIGTERM mid-
   and none of its temporary files is left;
 * ``last.ckpt`` holds the step at which the SIGTERM was handled;
 * ``Trainer.fit(ckpt_path="last")`` in this process resumes from it, trains to the end, and ends bitwise equal to a
-  run that was never interrupted -- except after a SIGTERM during validation, which Lightning does not run again
-  (see ``CASES``).
+  run that was never interrupted, also after a SIGTERM during validation: the step's file was saved before that
+  validation, and the resumed fit runs it again from its first batch (``_validation_resume``; see ``CASES``).
 
 Nothing is mocked. Models stay small so that a case takes a few seconds; the child forks from
 ``tests/helpers/forkserver.py`` (torch and Lightning imported once).
@@ -116,12 +116,13 @@ print("finished", flush=True)
 """
 
 # when the parent sends SIGTERM (the child's line that starts with this), the model width, async saving, and
-# whether the resumed run is bitwise equal to the uninterrupted one. Lightning resumes after the last completed
-# training batch, so a validation that SIGTERM cut short is not run again: the validation loader's random draw is
-# then missing from the resumed run (the same happens with ModelCheckpoint), and the weights differ after it.
+# whether the resumed run is bitwise equal to the uninterrupted one. A SIGTERM during the validation after step 3
+# saves nothing new (step 3 was saved at its batch end, before that validation); Lightning alone would resume that
+# file past the validation, without its random draws, and the weights would differ after it: the resumed fit runs
+# the validation again (``_validation_resume``).
 CASES = {
     "mid-epoch": ("training 4", 16, False, True),
-    "mid-validation": ("validating 3 1", 16, False, False),
+    "mid-validation": ("validating 3 1", 16, False, True),
     # 2 x 256K parameters with AdamW: ~6 MB a save, every step, queued behind a 2 s stall of the background writer
     "async-in-flight": ("training 4", 512, True, True),
 }

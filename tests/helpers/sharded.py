@@ -14,6 +14,8 @@ MODES = ("mp-sharded", "mp-full", "fsdp-sharded", "fsdp-full")
 CKPT = "epoch=0-step=4.ckpt"
 SHARDED = ("mp-sharded", "fsdp-sharded")
 ASYNC = ("mp-sharded-async", "fsdp-sharded-async")
+VALIDATED = ("mp-sharded-val", "mp-full-val")
+"""ModelParallel with a validation (drawing random numbers) after each epoch's last batch: after the step-4 save."""
 SCRIPT = r'''
 import hashlib, json, os, sys, warnings
 import pytorch_lightning as pl
@@ -53,6 +55,12 @@ class Net(pl.LightningModule):
 
     def on_fit_start(self):
         torch.manual_seed(1000 + self.global_rank)
+
+
+class ValNet(Net):
+    def validation_step(self, batch, batch_idx):
+        x = batch[0] + 0.05 * torch.randn_like(batch[0])  # the validation's random numbers, after the save
+        self.log("val_loss", nn.functional.mse_loss(self(x), batch[1]))
 
 
 class Record(pl.Callback):
@@ -149,11 +157,14 @@ def fit(out, kind, name, max_steps, devices=2, ckpt_path=None, every=4, top_k=-1
     y = torch.sin(x).sum(1, keepdim=True)
     cb = OrtCheckpoint(os.path.join(out, kind, name), every_n_train_steps=every, save_top_k=top_k,
                        async_save=kind.endswith("-async"))
+    validated = kind.endswith("-val")
     trainer = pl.Trainer(max_steps=max_steps, strategy=strategy(kind, devices), devices=devices,
                          accelerator="cpu",
                          logger=False, callbacks=[Record(out, f"{kind}-{name}"), cb, *extra], num_sanity_val_steps=0,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(Net(kind.startswith("mp")), DataLoader(TensorDataset(x, y), batch_size=4), ckpt_path=ckpt_path)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         **({} if validated else {"limit_val_batches": 0}))
+    trainer.fit((ValNet if validated else Net)(kind.startswith("mp")), DataLoader(TensorDataset(x, y), batch_size=4),
+                DataLoader(TensorDataset(x[:8], y[:8]), batch_size=4) if validated else None, ckpt_path=ckpt_path)
     wrapped = sorted(k for k in ("save_checkpoint", "load_checkpoint") if k in vars(trainer.strategy))
     with open(os.path.join(out, f"{kind}-{name}.wrapped{trainer.global_rank}.json"), "w") as f:
         json.dump(wrapped, f)  # our methods are gone from the strategy once fit is over

@@ -14,6 +14,8 @@ three launches left). Checked:
 
 * resume at the same world size is bitwise the uninterrupted run: weights, optimizer state, loop position, and each
   rank's own random states at every step after the resume;
+* so is a resume from a save that validation follows (``VALIDATED``: ModelParallel, sharded and full, a validation
+  that draws random numbers after the step-4 save), which runs that validation;
 * the full-state file is a real ORT checkpoint: ORT's ``CheckpointState`` loads it with the trained layers trainable
   and the frozen layer and buffer frozen, the optimizer state is the run's, and no rank warns that the plugin is not
   attached;
@@ -43,7 +45,8 @@ from lightning_ort_ckpt._dcp_storage import is_sharded_checkpoint
 from lightning_ort_ckpt._reading import read_contents
 from helpers.launching import launch_script
 from helpers.ort_reference import ort_api, ort_parameters
-from helpers.sharded import ASYNC, CKPT, MODES, SCRIPT, SHARDED, assert_same_state, record, state
+from helpers.sharded import (ASYNC, CKPT, MODES, SCRIPT, SHARDED, VALIDATED, assert_same_state, record,
+                             state)
 
 
 def launch(tmp_path: Path, steps: dict[str, tuple[str, ...]], timeout: float = 1200, **extra_env: str) -> None:
@@ -64,10 +67,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (they leave the file size limit of the processes lowered for a while); (3) the sharded half runs resumed at
     world size 1."""
     tmp_path = tmp_path_factory.mktemp("sharded")
-    launch(tmp_path, {"first": MODES + ASYNC})
+    launch(tmp_path, {"first": MODES + ASYNC + VALIDATED})
     for kind in SHARDED + ASYNC:
         shutil.copytree(tmp_path / kind / "half", tmp_path / kind / "last")
-    launch(tmp_path, {"memory": ("mp-full",), "resume": MODES + ASYNC, "last": SHARDED + ASYNC, "fail": ASYNC},
+    launch(tmp_path, {"memory": ("mp-full",), "resume": MODES + ASYNC + VALIDATED, "last": SHARDED + ASYNC, "fail": ASYNC},
            MALLOC_MMAP_THRESHOLD_=str(1 << 16))
     launch(tmp_path, {"one": SHARDED})
     return tmp_path
@@ -82,6 +85,18 @@ def test_resume_is_bitwise_the_uninterrupted_run(runs: Path, mode: str) -> None:
         # each rank draws its own random numbers after the resume, as in the uninterrupted run
         assert resumed["rng"] == {k: v for k, v in full["rng"].items() if int(k) >= 4}, (mode, rank)
     assert record(runs, f"{mode}-full", 0)["rng"]["4"] != record(runs, f"{mode}-full", 1)["rng"]["4"]
+
+
+@pytest.mark.parametrize("mode", VALIDATED)
+def test_a_save_before_validation_resumes_bitwise(runs: Path, mode: str) -> None:
+    """The step-4 save comes before the validation at the end of epoch 0, whose ``validation_step`` draws random
+    numbers on each rank: the resumed fit runs that validation (``_validation_resume``), sharded folder or
+    full-state file, so every rank's random states, and the weights, are the uninterrupted run's."""
+    assert_same_state(state(runs, f"{mode}-full", "end"), state(runs, f"{mode}-resumed", "end"), mode)
+    for rank in (0, 1):
+        full, resumed = record(runs, f"{mode}-full", rank), record(runs, f"{mode}-resumed", rank)
+        assert (resumed["start"], resumed["end"]) == (4, 8)
+        assert resumed["rng"] == {k: v for k, v in full["rng"].items() if int(k) >= 4}, (mode, rank)
 
 
 @pytest.mark.parametrize("mode", SHARDED)
