@@ -294,3 +294,15 @@ def test_drain_deletions_waits_until_no_hidden_old_file_is_left(tmp_path, monkey
     assert atomic.drain_deletions() is True
     assert sorted(os.listdir(tmp_path)) == ["model.ckpt", "model.ckpt.data"]
     assert_same_checkpoint(load_checkpoint(path), expected(2))
+
+
+def test_drain_deletions_returns_once_the_unlink_thread_has_ended(tmp_path):
+    """The thread clears its own slot before it returns: ``drain_deletions`` waits for that thread itself, so no
+    thread of ours is alive when it returns (a test counting threads after a fit saw ``ort-ckpt-unlink`` once)."""
+    for i in range(300):
+        target = tmp_path / f"f{i}"
+        target.write_bytes(b"x")
+        atomic._UNLINKER.put(str(target))
+        assert atomic.drain_deletions() is True
+        assert [t.name for t in threading.enumerate() if t.name == "ort-ckpt-unlink"] == []
+        assert not target.exists()

@@ -31,7 +31,8 @@ class Unlinker:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._queue: queue.Queue[str] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the running thread, while files are queued
+        self._started: threading.Thread | None = None  # the last one started: it may still be returning
         self._lock = threading.Lock()
 
     def _this_process(self) -> None:
@@ -46,7 +47,8 @@ class Unlinker:
             self._queue.put(path)
             if self._thread is None:
                 atexit.register(self.drain)
-                self._thread = threading.Thread(target=self._run, name="ort-ckpt-unlink", daemon=True)
+                self._thread = self._started = threading.Thread(target=self._run, name="ort-ckpt-unlink",
+                                                                daemon=True)
                 self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
@@ -58,7 +60,7 @@ class Unlinker:
             if not done.wait_for(lambda: not self._queue.unfinished_tasks, timeout):
                 return False
         with self._lock:
-            thread = self._thread
+            thread = self._started  # (``_thread`` is cleared by the thread itself before it has returned)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             return not thread.is_alive()
