@@ -46,7 +46,7 @@ from ._preservation import Preservation
 from ._save_decision import SaveDecision, Verdict
 from ._tiers import LocalTier, tier
 from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
-from .format._store import StorageOptions, Store, local_path
+from .format._store import StorageOptions, Store, local_path, wait_for_cleanup
 from .format._writer import ExternalData
 
 if TYPE_CHECKING:  # type checkers see ModelCheckpoint's methods; at run time the concrete classes add its copy
@@ -183,6 +183,7 @@ class OrtCheckpointMixin(_Base):
         _forget_last(self)
         self._tier.close(self.checkpoint_io.wait)  # (the peer copies' exchanges run in the plugin's queue)
         self.checkpoint_io.wait()  # every file durable and every error raised before fit returns (and exports)
+        wait_for_cleanup()  # what the tier deleted after the plugin's teardown (Lightning tears callbacks down last)
         _loggers.log_whole_units(trainer, self, finishing=True)  # what loggers log at finalize, after teardown
         super().teardown(trainer, pl_module, stage)
 
