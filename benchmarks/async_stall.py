@@ -61,8 +61,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_ort_ckpt import BindCheckpointIO, _rng as rng, _staging as staging
-from lightning_ort_ckpt._staging_memory import state_tensors
+from lightning_ort_ckpt import BindCheckpointIO
+from lightning_ort_ckpt._fit_state import _rng as rng
+from lightning_ort_ckpt._saving import _staging as staging
+from lightning_ort_ckpt._saving._staging_memory import state_tensors
 
 WAITED = {"seconds": 0.0}
 """Time optimizer steps spent waiting for deferred copies: the benchmark wraps the stagers' wait."""
@@ -77,9 +79,9 @@ def _timed_wait(*args: Any) -> None:
 
 staging.Stager._wait_for_copies = _timed_wait  # type: ignore[method-assign]  # benchmark-only: the hook calls it
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt._async_saver import BackgroundQueue
+from lightning_ort_ckpt._saving._async_saver import BackgroundQueue
 from lightning_ort_ckpt._plugin import OrtCheckpointIO
-from lightning_ort_ckpt._rng import RNG_KEY
+from lightning_ort_ckpt._fit_state._rng import RNG_KEY
 from lightning_ort_ckpt._translation.lightning_dict import ModuleInfo, to_ort
 
 WIDTH = 512

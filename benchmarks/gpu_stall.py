@@ -96,7 +96,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     import torch
     from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
-    from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO, _staging
+    from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO
+    from lightning_ort_ckpt._saving import _staging
 
     cuda = not args.cpu
     try:  # Lightning imports it in its first dump_checkpoint (hyperparameters): a cost of the process, not of a save

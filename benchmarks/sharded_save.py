@@ -59,7 +59,7 @@ def _worker(mb: int, rounds: int, directory: str, ahead: bool, cache: str) -> No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_ort_ckpt._dcp_storage import load_sharded, save_sharded
+    from lightning_ort_ckpt._dcp._dcp_storage import load_sharded, save_sharded
     from lightning_ort_ckpt.dcp import OrtStorageWriter
 
     warnings.simplefilter("ignore")  # DCP's FileSystemWriter warns that it overwrites, every round

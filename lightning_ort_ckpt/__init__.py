@@ -15,20 +15,21 @@ from .format import (CheckpointContents, CheckpointReader, DataType, OptimizerGr
 if TYPE_CHECKING:  # what the names below are, for type checkers; at run time they load on first use
     from ._binding import BindCheckpointIO
     from ._callback import OrtCheckpoint
-    from ._consolidate import consolidate
-    from ._export_callback import ExportBest
-    from ._loading import load, load_from_checkpoint
+    from ._export._consolidate import consolidate
+    from ._export._export_callback import ExportBest
+    from ._export._loading import load, load_from_checkpoint
     from ._plugin import OrtCheckpointIO
-    from ._reading import disable_ort_loading, enable_ort_loading
-    from ._tiers import LocalTier
-    from ._wandb import OrtWandbLogger
+    from ._restore._reading import disable_ort_loading, enable_ort_loading
+    from ._recovery._tiers import LocalTier
+    from ._lightning._wandb import OrtWandbLogger
 
 __version__ = "0.3.0"
 
 _LAZY = {"OrtCheckpoint": "._callback", "OrtCheckpointIO": "._plugin", "BindCheckpointIO": "._binding",
-         "enable_ort_loading": "._reading", "disable_ort_loading": "._reading", "consolidate": "._consolidate",
-         "ExportBest": "._export_callback", "load": "._loading", "load_from_checkpoint": "._loading",
-         "OrtWandbLogger": "._wandb", "LocalTier": "._tiers"}
+         "enable_ort_loading": "._restore._reading", "disable_ort_loading": "._restore._reading",
+         "consolidate": "._export._consolidate", "ExportBest": "._export._export_callback",
+         "load": "._export._loading", "load_from_checkpoint": "._export._loading",
+         "OrtWandbLogger": "._lightning._wandb", "LocalTier": "._recovery._tiers"}
 _DEPRECATED = {"Checkpoint": "CheckpointContents"}  # 0.2's names (format/_deprecated.py: the rule)
 
 
@@ -38,7 +39,7 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         if name == "OrtCheckpoint":  # the export callback (layer 4) hands export_best_to its factory
-            importlib.import_module("._export_callback", __name__)
+            importlib.import_module("._export._export_callback", __name__)
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     if name in _DEPRECATED:
         from .format._deprecated import warn_once

@@ -2,6 +2,6 @@
 
 import sys
 
-from ._cli import main
+from ._command._cli import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from typing import Any
 
 from pytorch_lightning.callbacks import Callback
 
-from . import _lightning_adapter
+from ._lightning import _lightning_adapter
 from ._plugin import OrtCheckpointIOMixin
 
 

@@ -37,14 +37,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from . import _lightning_adapter, _loggers, _ranks, _registry, _resume
+from ._lightning import _lightning_adapter, _loggers
+from ._restore import _ranks, _registry, _resume
 from ._binding import bound_plugin
-from ._namespaces import loaded, namespace_of
+from ._lightning._namespaces import loaded, namespace_of
 from ._plugin import OrtCheckpointIO, OrtCheckpointIOMixin
-from ._resume import ResumeFallback
-from ._preservation import Preservation
-from ._save_decision import SaveDecision, Verdict
-from ._tiers import LocalTier, tier
+from ._restore._resume import ResumeFallback
+from ._policies._preservation import Preservation
+from ._policies._save_decision import SaveDecision, Verdict
+from ._recovery._tiers import LocalTier, tier
 from .errors import CheckpointConfigError, CheckpointError, CheckpointWarning
 from .format._store import StorageOptions, Store, local_path, wait_for_cleanup
 from .format._writer import ExternalData

@@ -41,11 +41,15 @@ from typing import Any, Literal
 import pytorch_lightning  # noqa: F401  (our dependency: makes its copy of Lightning count as loaded)
 from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from . import (_fabric, _lightning_adapter, _promotion, _save_contents, _sharing, _signals, _staging, _strategies,
-               _train_start, _validation_resume)
-from ._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
-from ._namespaces import loaded
-from ._reading import is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
+from . import _sharing
+from ._dcp import _strategies
+from ._fit_state import _train_start, _validation_resume
+from ._lightning import _fabric, _lightning_adapter
+from ._recovery import _promotion, _signals
+from ._saving import _save_contents, _staging
+from ._saving._async_saver import BackgroundSaves, InlineSaves, SaveExecutor
+from ._lightning._namespaces import loaded
+from ._restore._reading import is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents
 from .format._store import StorageOptions, Store, Stores, local_path, wait_for_cleanup

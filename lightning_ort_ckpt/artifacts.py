@@ -42,8 +42,8 @@ import torch
 from .errors import CheckpointError
 from .export import default_names, hidden_native_output, torch_export
 from .format import load_checkpoint, save_checkpoint
-from ._module_loading import load_module
-from ._reading import is_ort_checkpoint, read_any_checkpoint
+from ._export._module_loading import load_module
+from ._restore._reading import is_ort_checkpoint, read_any_checkpoint
 from ._translation.lightning_dict import ModuleInfo, to_ort, trainable_set
 
 __all__ = ["ArtifactsError", "TrainingArtifacts", "make_training_artifacts"]
@@ -91,7 +91,7 @@ def make_training_artifacts(model: Any, checkpoint: str | os.PathLike[str], dire
         ArtifactsError: the module cannot be exported, ORT cannot differentiate or run it (checked with a training
             step on the example input), or its eval-mode forward is random.
     """
-    from ._consolidate import single_file
+    from ._export._consolidate import single_file
 
     with single_file(os.fspath(checkpoint)) as source:  # a sharded directory: consolidated into a temporary file
         return _make_training_artifacts(model, source, directory, example_input=example_input, loss=loss,

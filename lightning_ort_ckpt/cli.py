@@ -3,5 +3,5 @@
 
 from .format._deprecated import moved_module
 
-__getattr__ = moved_module(__name__, "lightning_ort_ckpt._cli",
+__getattr__ = moved_module(__name__, "lightning_ort_ckpt._command._cli",
                            "run the ort-ckpt command (or python -m lightning_ort_ckpt)")

@@ -21,7 +21,7 @@ difference from ``FileSystemWriter`` is listed, with its reason, in docs/dcp.md.
 
 from __future__ import annotations
 
-from ._dcp_reader import OrtStorageReader
-from ._dcp_writer import OrtStorageWriter
+from ._dcp._dcp_reader import OrtStorageReader
+from ._dcp._dcp_writer import OrtStorageWriter
 
 __all__ = ["OrtStorageReader", "OrtStorageWriter"]

@@ -29,10 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _lightning_adapter, _rng, _safetensors
+from ._export import _safetensors
+from ._fit_state import _rng
+from ._lightning import _lightning_adapter
 from .errors import CheckpointError, CorruptCheckpointError
-from ._module_loading import init_params, load_module, unsaved_init_args
-from ._reading import is_ort_checkpoint, read_weights
+from ._export._module_loading import init_params, load_module, unsaved_init_args
+from ._restore._reading import is_ort_checkpoint, read_weights
 from .format import CheckpointReader, TensorInfo, _atomic, open_checkpoint
 from .format._store import StorageOptions, Stores
 from ._translation import MANIFEST
@@ -96,7 +98,7 @@ def export_onnx(model: Any, checkpoint: str | os.PathLike[str], output: str | os
         ExportError: no example input, the rebuilt module is not ``reference``, the export failed, or ONNX Runtime
             differs from torch by more than ``tolerance`` (nothing is left at ``output`` then).
     """
-    from ._consolidate import single_file
+    from ._export._consolidate import single_file
 
     checkpoint, output, stores = os.fspath(checkpoint), os.fspath(output), Stores()  # one store per location
     with single_file(checkpoint, stores) as source:  # a sharded directory: consolidated into a temporary file first
@@ -183,7 +185,7 @@ def export_safetensors(checkpoint: str | os.PathLike[str], output: str | os.Path
         CorruptCheckpointError: a tensor does not match its recorded checksum, or the file is damaged.
         ExportError: a torch checkpoint (not an ORT one), no weight under ``prefix``, or a dtype safetensors has not.
     """
-    from ._consolidate import single_file
+    from ._export._consolidate import single_file
 
     checkpoint, output, stores = os.fspath(checkpoint), os.fspath(output), Stores(storage_options)
     if max_shard_size < 1:

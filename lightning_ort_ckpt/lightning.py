@@ -10,12 +10,12 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
-from . import _export_callback  # noqa: F401 - hands export_best_to its factory (layer 4: see the module)
+from ._export import _export_callback  # noqa: F401 - hands export_best_to its factory (layer 4: see the module)
 from ._binding import BindCheckpointIOMixin
 from ._callback import OrtCheckpointMixin
 from ._plugin import OrtCheckpointIOMixin
-from ._tiers import LocalTier
-from ._wandb import WholeCheckpointsMixin
+from ._recovery._tiers import LocalTier
+from ._lightning._wandb import WholeCheckpointsMixin
 
 
 class OrtCheckpointIO(OrtCheckpointIOMixin, CheckpointIO):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import version_counter
+from .._translation._torch_compat import version_counter
 from ..errors import CheckpointSaveError
 from ..format import CheckpointContents
 

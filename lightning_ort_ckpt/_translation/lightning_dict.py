@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import set_state_dict_metadata, state_dict_metadata
+from ._torch_compat import set_state_dict_metadata, state_dict_metadata
 from ..errors import CheckpointWarning, CorruptCheckpointError
 from ..format import GROUP_ZERO, CheckpointContents, DataType, OptimizerGroup, StoredAs
 from ..format._contents import Tensor

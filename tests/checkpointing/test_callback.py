@@ -59,7 +59,7 @@ def ranked(callback: Any) -> dict[str, float]:
 
 def stored_state(path: Any) -> dict[str, Any]:
     """The OrtCheckpoint state recorded inside a file (read back through the plugin)."""
-    from lightning_ort_ckpt._reading import read_lightning_checkpoint
+    from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 
     callbacks = read_lightning_checkpoint(path)["callbacks"]
     (state,) = [v for k, v in callbacks.items() if k.startswith("OrtCheckpoint")]

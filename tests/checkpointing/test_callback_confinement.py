@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from helpers.fits import STEPS_PER_EPOCH, Net, _data, name
 
 

@@ -28,7 +28,7 @@ import lightning_ort_ckpt
 from lightning_ort_ckpt import BindCheckpointIO, CheckpointError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
 from lightning_ort_ckpt import lightning as for_lightning
 from lightning_ort_ckpt.errors import CheckpointWarning
-from lightning_ort_ckpt._lightning_adapter import MODEL_CHECKPOINT_PRIVATE
+from lightning_ort_ckpt._lightning._lightning_adapter import MODEL_CHECKPOINT_PRIVATE
 
 pytestmark = pytest.mark.smoke
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +173,7 @@ def test_spawn_and_fork_launchers_with_the_callback_alone(strategy: str, model_m
         warnings.filterwarnings("ignore")
         import pytorch_lightning as pl, torch
         from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
-        from lightning_ort_ckpt._reading import read_lightning_checkpoint
+        from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
         import itmodel
 
         PlNet = itmodel.named(pl.LightningModule, "PlNet", __name__)

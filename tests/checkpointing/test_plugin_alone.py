@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_ort_ckpt._dcp_storage import is_sharded_checkpoint
-from lightning_ort_ckpt._reading import read_contents
+from lightning_ort_ckpt._dcp._dcp_storage import is_sharded_checkpoint
+from lightning_ort_ckpt._restore._reading import read_contents
 from helpers.ort_reference import ort_api, ort_parameters
 from helpers.sharded import CKPT, MODES, SCRIPT, SHARDED, assert_same_state, record, state
 from helpers.launching import launch_script

@@ -24,7 +24,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
 
 STEPS = 14  # epochs of 10 batches
@@ -136,7 +136,7 @@ def test_a_trainer_that_does_not_validate_there_says_what_differs(tmp_path: Path
 def test_only_a_save_that_validation_follows_records_it(tmp_path: Path) -> None:
     """Saves at every step: those of steps 3, 6, 9 and 13 (10 batches an epoch) come before a validation; the
     others resume as Lightning resumes them."""
-    from lightning_ort_ckpt._validation_resume import VALIDATION_KEY
+    from lightning_ort_ckpt._fit_state._validation_resume import VALIDATION_KEY
 
     fit(tmp_path, "sync", every=1)
     recorded = {}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO, load
-from lightning_ort_ckpt import _cli
+from lightning_ort_ckpt._command import _cli
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.export import export_safetensors
 from lightning_ort_ckpt.format import CheckpointContents, save_checkpoint

@@ -24,8 +24,8 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
-from lightning_ort_ckpt._promotion import copy_verified
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._recovery._promotion import copy_verified
 from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning, CorruptCheckpointError
 from lightning_ort_ckpt.format._store import store_for
 from helpers.fits import fit, files_after_fit, make_trainer, name, run_fit
@@ -247,8 +247,8 @@ def test_a_damaged_fast_file_is_never_promoted(tmp_path: Path) -> None:
 def test_last_orders_the_tiers_by_step_the_nearest_first_among_equals() -> None:
     """``_tiers.nearest_first`` on listings as the registry makes them: a remote file's step unknown without a
     download is its name's ``step=N``; a step unknown either way comes after every known one."""
-    from lightning_ort_ckpt._registry import Entry, Kind, State
-    from lightning_ort_ckpt._tiers import nearest_first
+    from lightning_ort_ckpt._restore._registry import Entry, Kind, State
+    from lightning_ort_ckpt._recovery._tiers import nearest_first
 
     def entry(path: str, step: int | None = None, state: State = State.COMMITTED) -> Entry:
         return Entry(path, Kind.FILE, state, step)

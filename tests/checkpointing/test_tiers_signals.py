@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from helpers import forkserver
 from helpers.preemption import MAX_STEPS, Net
 

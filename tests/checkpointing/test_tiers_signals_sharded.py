@@ -26,7 +26,7 @@ import torch
 
 from helpers.launching import free_port
 from lightning_ort_ckpt.format._store import store_for
-from lightning_ort_ckpt._registry import State, scan
+from lightning_ort_ckpt._restore._registry import State, scan
 from test_tiers_signals import _until_both, interrupted_at, scontrol
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from helpers import forkserver
 
 pytestmark = [

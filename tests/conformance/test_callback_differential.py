@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.format import _atomic as atomic
-from lightning_ort_ckpt._reading import is_ort_checkpoint, read_lightning_checkpoint
+from lightning_ort_ckpt._restore._reading import is_ort_checkpoint, read_lightning_checkpoint
 
 VALS = [3.0, 2.0, 2.5, 1.0, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0]
 STOP = 10  # interrupted in epoch 2, after the epoch-1 save (step 8)

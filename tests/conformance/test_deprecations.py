@@ -47,7 +47,7 @@ def test_old_modules_forward_their_names_and_warn_once_at_import() -> None:
         from lightning_ort_ckpt.format.atomic import data_path, atomic_save
         print(data_path("a.ckpt"))
         from lightning_ort_ckpt.cli import main
-        import lightning_ort_ckpt._cli as cli
+        import lightning_ort_ckpt._command._cli as cli
         print(main is cli.main)
     """)
     warnings = [line for line in out if line.startswith("FutureWarning")]

@@ -88,7 +88,7 @@ CHILD = textwrap.dedent('''
         export_onnx(TiedTransformer(vocab, {width}), args[0], args[1], tolerance=1e-3)
         print(json.dumps({{"hwm_kib": status("VmHWM")}}))
     else:
-        from lightning_ort_ckpt._cli import main
+        from lightning_ort_ckpt._command._cli import main
 
         code = main(["export", args[0], "--module", "helpers.zoo_models:TiedTransformer", "-o", args[1],
                      "--tolerance", "1e-3"])

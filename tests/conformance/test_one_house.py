@@ -18,7 +18,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpoint, OrtCheckpointIO, open_checkpoint
-from lightning_ort_ckpt._retention import retain
+from lightning_ort_ckpt._policies._retention import retain
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_ort_ckpt"
 
@@ -108,7 +108,7 @@ def test_teardown_leaves_no_thread_hook_or_atexit_registration(tmp_path: Path,
     """An asynchronous save waits through hooks on the fit's own optimizers, and the staging memory waits for their
     first step the same way: never a hook in torch's global registries; at teardown nothing is left: no hook
     (global or on the optimizers), thread or atexit registration."""
-    from lightning_ort_ckpt import _async_saver
+    from lightning_ort_ckpt._saving import _async_saver
 
     registered: list[Any] = []  # atexit has no way to list its callbacks: count ours as they come and go
     monkeypatch.setattr(_async_saver.atexit, "register", lambda f: registered.append(f))
@@ -344,7 +344,7 @@ def test_retention_keeps_the_newest_and_the_protected() -> None:
 def test_resuming_from_last_reads_the_chosen_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ckpt_path="last" on a store: the file "last" resolution validated (a full, verified read) is the one the
     resume uses; one download, not two. The same holds for a local directory (one full read)."""
-    from lightning_ort_ckpt import _reading
+    from lightning_ort_ckpt._restore import _reading
     from lightning_ort_ckpt.format._fsspec_store import FsspecStore
 
     dirpath = f"memory://one-read-{tmp_path.name}"
@@ -364,7 +364,7 @@ def test_resuming_from_last_reads_the_chosen_file_once(tmp_path: Path, monkeypat
     monkeypatch.setattr(FsspecStore, "fetched", fetched)
     monkeypatch.setattr(_reading, "read_contents", read_contents)
     import lightning_ort_ckpt._plugin as plugin_module
-    import lightning_ort_ckpt._resume as resume_module
+    import lightning_ort_ckpt._restore._resume as resume_module
 
     monkeypatch.setattr(resume_module, "read_contents", read_contents)
     monkeypatch.setattr(plugin_module, "read_contents", read_contents)
@@ -377,7 +377,7 @@ def test_resuming_from_last_reads_the_chosen_file_once(tmp_path: Path, monkeypat
 
 
 # -- private names of Lightning, torch and fsspec: in their adapters only ---------------------------------------------
-ADAPTERS = {"_lightning_adapter.py", "_torch_compat.py", "format/_fsspec_compat.py"}
+ADAPTERS = {"_lightning/_lightning_adapter.py", "_translation/_torch_compat.py", "format/_fsspec_compat.py"}
 """Where the private names of Lightning (and of ModelCheckpoint, for the callback), torch and fsspec/s3fs live."""
 
 
@@ -403,7 +403,7 @@ def test_private_names_of_lightning_torch_and_fsspec_live_in_their_adapters() ->
     checked against each supported Lightning by test_integration), and must list every one it overrides."""
     from pytorch_lightning.callbacks import ModelCheckpoint
 
-    from lightning_ort_ckpt._lightning_adapter import MODEL_CHECKPOINT_ATTRIBUTES, MODEL_CHECKPOINT_PRIVATE
+    from lightning_ort_ckpt._lightning._lightning_adapter import MODEL_CHECKPOINT_ATTRIBUTES, MODEL_CHECKPOINT_PRIVATE
 
     assert set(MODEL_CHECKPOINT_ATTRIBUTES) <= set(vars(ModelCheckpoint()))
     trees = {path.relative_to(PACKAGE).as_posix(): ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}

@@ -53,7 +53,7 @@ def test_sdist_and_wheel_carry_what_users_and_tests_need(tmp_path: Path) -> None
         'platform_machine == "x86_64") and extra == "ort"', 'Requires-Dist: onnx>=1.15; extra == "ort"',
         'Requires-Dist: onnxruntime>=1.20; extra == "deploy"', 'Requires-Dist: onnx>=1.15; extra == "deploy"']
     assert "Requires-Dist: pytorch-lightning>=2.5.3" in requires
-    assert "ort-ckpt = lightning_ort_ckpt._cli:main" in entry_points
+    assert "ort-ckpt = lightning_ort_ckpt._command._cli:main" in entry_points
     assert "callbacks_factory" not in entry_points  # installing the package adds nothing to other Trainers
 
 

@@ -43,7 +43,7 @@ from lightning_ort_ckpt.artifacts import ArtifactsError, TrainingArtifacts, make
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.export import export_onnx
 from lightning_ort_ckpt.format import load_checkpoint, save_checkpoint
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
 from lightning_ort_ckpt._translation import values
 from lightning_ort_ckpt._translation.lightning_dict import EXTRA_PREFIX, ModuleInfo, aliases_of, to_ort

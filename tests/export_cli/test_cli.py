@@ -25,7 +25,7 @@ def ckpt(tmp_path):
 
 def run(*args, block_torch=False):
     prelude = "import sys; sys.modules['torch'] = None; " if block_torch else ""
-    code = prelude + "from lightning_ort_ckpt._cli import main; sys.exit(main(sys.argv[1:]))"
+    code = prelude + "from lightning_ort_ckpt._command._cli import main; sys.exit(main(sys.argv[1:]))"
     if not block_torch:
         code = "import sys; " + code
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)

@@ -147,7 +147,7 @@ def test_export_without_torch_says_what_to_install(tmp_path, good):
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "consolidate"])
 def test_a_sharded_directory_without_torch_says_what_to_install(tmp_path, command):
-    from lightning_ort_ckpt._dcp_storage import save_sharded
+    from lightning_ort_ckpt._dcp._dcp_storage import save_sharded
 
     folder = tmp_path / "epoch=0-step=1.ckpt"
     save_sharded({"state_dict": {"w": torch.ones(3)}}, str(folder))

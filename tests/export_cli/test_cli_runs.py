@@ -147,7 +147,7 @@ def test_ls_of_what_is_not_a_directory_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_sharded_folder_with_damaged_metadata_is_named(tmp_path: Path) -> None:
-    from lightning_ort_ckpt._dcp_storage import METADATA_NAME, save_sharded
+    from lightning_ort_ckpt._dcp._dcp_storage import METADATA_NAME, save_sharded
 
     folder = tmp_path / "epoch=0-step=1.ckpt"
     save_sharded({"state_dict": {"w": torch.ones(3)}, "global_step": 1, "epoch": 0}, str(folder))

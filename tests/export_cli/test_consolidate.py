@@ -17,8 +17,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from lightning_ort_ckpt import consolidate, load_checkpoint
-from lightning_ort_ckpt._cli import main
-from lightning_ort_ckpt._dcp_storage import METADATA_NAME, save_sharded
+from lightning_ort_ckpt._command._cli import main
+from lightning_ort_ckpt._dcp._dcp_storage import METADATA_NAME, save_sharded
 from lightning_ort_ckpt._translation.lightning_dict import ModuleInfo, from_ort, to_ort
 from helpers.ort_reference import SmallNet, batch, export_artifacts, ort_api, ort_parameters, ort_train
 

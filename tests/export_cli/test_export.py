@@ -20,7 +20,7 @@ from lightning_ort_ckpt import CorruptCheckpointError, OrtCheckpoint, load_check
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.export import ExportError, export_onnx
 from lightning_ort_ckpt.format import CheckpointContents, OptimizerGroup, save_checkpoint
-from lightning_ort_ckpt._reading import read_weights
+from lightning_ort_ckpt._restore._reading import read_weights
 from helpers.export import MODULE
 
 

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from lightning_ort_ckpt import CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt._cli import main
-from lightning_ort_ckpt._dcp_storage import save_sharded
+from lightning_ort_ckpt._command._cli import main
+from lightning_ort_ckpt._dcp._dcp_storage import save_sharded
 from lightning_ort_ckpt.export import ExportError, export_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,7 +187,7 @@ def test_a_torch_file_or_a_tree_without_weights_is_refused_by_name(tmp_path: Pat
 _MEMORY = textwrap.dedent("""
     import sys
     import torch
-    from lightning_ort_ckpt import _consolidate  # what the export imports: not part of its memory
+    from lightning_ort_ckpt._export import _consolidate  # what the export imports: not part of its memory
     from lightning_ort_ckpt.export import export_safetensors
 
     def status(field):

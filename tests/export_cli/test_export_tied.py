@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_ort_ckpt import OrtCheckpoint
-from lightning_ort_ckpt._cli import main
+from lightning_ort_ckpt._command._cli import main
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.export import ExportError, export_onnx
 from helpers.zoo_models import BATCH, ZOO, ZooModule

@@ -142,7 +142,7 @@ def test_validate_test_predict_read_our_checkpoint(trained: Path, setup: str) ->
 
 def test_load_reads_a_sharded_checkpoint_folder(tmp_path: Path) -> None:
     from lightning_ort_ckpt import load
-    from lightning_ort_ckpt._dcp_storage import METADATA_NAME, save_sharded
+    from lightning_ort_ckpt._dcp._dcp_storage import METADATA_NAME, save_sharded
     from lightning_ort_ckpt.errors import CorruptCheckpointError
 
     folder = tmp_path / "epoch=0-step=3.ckpt"

@@ -490,7 +490,7 @@ import errno, subprocess
 from pathlib import Path
 from lightning_ort_ckpt import CheckpointError
 from lightning_ort_ckpt.format import load_checkpoint, open_checkpoint
-from lightning_ort_ckpt._cli import main as cli
+from lightning_ort_ckpt._command._cli import main as cli
 mnt = Path(path).parent
 if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]).returncode != 0:
     print(json.dumps({"skip": "mounting a tmpfs was refused"}))

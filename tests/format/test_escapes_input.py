@@ -22,7 +22,7 @@ import torch
 
 import lightning_ort_ckpt
 from lightning_ort_ckpt import CheckpointError, CorruptCheckpointError, OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt import _rng as rng
+from lightning_ort_ckpt._fit_state import _rng as rng
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, open_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic

@@ -39,7 +39,8 @@ _CHILD = textwrap.dedent("""
     import pytorch_lightning as pl
     import torch
     import lightning_ort_ckpt
-    from lightning_ort_ckpt import _reading, format
+    from lightning_ort_ckpt._restore import _reading
+    from lightning_ort_ckpt import format
     plugin = lightning_ort_ckpt.OrtCheckpointIO()
 
     def attempts():

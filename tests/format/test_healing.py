@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ort_ckpt import _cli
+from lightning_ort_ckpt._command import _cli
 from lightning_ort_ckpt import _sharing as sharing
 from lightning_ort_ckpt._sharing import _limits as limits
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
@@ -224,7 +224,7 @@ def test_the_same_tensor_damaged_in_both_copies_is_an_error_naming_it(tmp_path: 
 
 
 def test_export_and_load_from_checkpoint_read_the_other_copy(tmp_path: Path) -> None:
-    from lightning_ort_ckpt._loading import load_from_checkpoint
+    from lightning_ort_ckpt._export._loading import load_from_checkpoint
 
     run = tmp_path / "run"
     states = train(run)
@@ -320,9 +320,9 @@ def test_a_damaged_shard_has_no_second_copy_and_last_falls_back(tmp_path: Path) 
     a shard is not healed, not even from the identical bytes of an older folder beside it (another checkpoint, not
     a copy of this one); the load names the shard and the tensor, and "last" falls back to the older folder (the
     registry's fallback: ``_registry.scan``, ``_resume.resolve_last`` and ``falling_back``, one rank)."""
-    from lightning_ort_ckpt._dcp_storage import load_sharded, save_sharded
-    from lightning_ort_ckpt._registry import scan
-    from lightning_ort_ckpt._resume import falling_back, resolve_last
+    from lightning_ort_ckpt._dcp._dcp_storage import load_sharded, save_sharded
+    from lightning_ort_ckpt._restore._registry import scan
+    from lightning_ort_ckpt._restore._resume import falling_back, resolve_last
     from lightning_ort_ckpt.format._store import store_for
 
     frozen = frozen_module().weight.detach()

@@ -35,7 +35,7 @@ from lightning_ort_ckpt import (BindCheckpointIO, CheckpointSaveError, CorruptCh
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format._store import store_for, strip_protocol
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from helpers.ort_reference import assert_same_tensor, ort_api
 from helpers.zoo_models import BATCH, ZOO, Entry
 from helpers.cli import Net as CliNet

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import load_checkpoint
-from lightning_ort_ckpt import _staging as staging
+from lightning_ort_ckpt._saving import _staging as staging
 from lightning_ort_ckpt.format import StoredAs, save_checkpoint
 from lightning_ort_ckpt._translation.lightning_dict import ModuleInfo, to_ort
 

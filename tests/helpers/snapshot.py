@@ -18,7 +18,7 @@ from typing import Any
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_ort_ckpt import _lightning_adapter
+from lightning_ort_ckpt._lightning import _lightning_adapter
 
 _CONNECTORS = ("pytorch_lightning.trainer.connectors.checkpoint_connector",
                "lightning.pytorch.trainer.connectors.checkpoint_connector")
@@ -28,7 +28,7 @@ _MODULE_HOOKS = ("_global_backward_hooks", "_global_backward_pre_hooks", "_globa
                  "_global_forward_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs",
                  "_global_forward_pre_hooks", "_global_module_registration_hooks",
                  "_global_parameter_registration_hooks")
-_HOLD = "lightning_ort_ckpt._lightning_adapter.CheckpointIOAssignment.release"
+_HOLD = "lightning_ort_ckpt._lightning._lightning_adapter.CheckpointIOAssignment.release"
 STILL_GLOBAL = {f"{module}.{name}.checkpoint_io" for module, name in _lightning_adapter.STRATEGY_CLASSES} | {
     "weakref finalizers: holds of the checkpoint_io setter wrap"}
 """What is still wrapped while an ``OrtCheckpointIO`` exists, and the finalizer that unwraps it once none does

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import CheckpointContents, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
-from lightning_ort_ckpt import _staging as staging
+from lightning_ort_ckpt._saving import _staging as staging
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SAVE_STEP = 2

@@ -1,4 +1,4 @@
-"""Asynchronous saving (``lightning_ort_ckpt._staging``): bounded, exact, and loud when a copy would be torn.
+"""Asynchronous saving (``lightning_ort_ckpt._saving._staging``): bounded, exact, and loud when a copy would be torn.
 
 * every file an asynchronous run writes holds exactly the state of its step (the same bytes as a synchronous run's),
   although the parameters and optimizer state are copied while training runs its next forward and backward pass;
@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import CheckpointContents, CheckpointSaveError, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
-from lightning_ort_ckpt import _staging as staging
+from lightning_ort_ckpt._saving import _staging as staging
 from lightning_ort_ckpt.format import _atomic as atomic
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -50,7 +50,7 @@ def _worker(mode: str, path: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lightning_ort_ckpt._dcp_storage import load_sharded, save_sharded
+    from lightning_ort_ckpt._dcp._dcp_storage import load_sharded, save_sharded
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -109,7 +109,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def test_each_rank_writes_its_shards_and_rank0_the_metadata(saved: tuple[Path, Path]) -> None:
-    from lightning_ort_ckpt._dcp_storage import METADATA_NAME, is_sharded_checkpoint
+    from lightning_ort_ckpt._dcp._dcp_storage import METADATA_NAME, is_sharded_checkpoint
 
     path, _ = saved
     assert is_sharded_checkpoint(str(path))
@@ -140,7 +140,7 @@ def test_load_at_world_size_2_is_bitwise(saved: tuple[Path, Path]) -> None:
 
 
 def test_load_at_world_size_1_has_the_same_values(saved: tuple[Path, Path]) -> None:
-    from lightning_ort_ckpt._dcp_storage import load_sharded
+    from lightning_ort_ckpt._dcp._dcp_storage import load_sharded
 
     path, out = saved
     with np.load(out / "full.npz") as f:

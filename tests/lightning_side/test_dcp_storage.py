@@ -21,7 +21,7 @@ import fsspec
 import pytest
 import torch
 
-from lightning_ort_ckpt._dcp_storage import METADATA_NAME, is_sharded_checkpoint, load_sharded, save_sharded
+from lightning_ort_ckpt._dcp._dcp_storage import METADATA_NAME, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointSaveError, CorruptCheckpointError
 from lightning_ort_ckpt.format._store import store_for
 from helpers.s3 import _Forward, _Proxy
@@ -293,7 +293,7 @@ def test_a_metadata_upload_that_cannot_be_told_keeps_the_shards_it_names(losing:
 
 # -- staging for asynchronous sharded saves (issue 34) -----------------------------------------------------------------
 def test_shard_staging_is_allocated_ahead_reused_and_a_copy() -> None:
-    from lightning_ort_ckpt._dcp_staging import ShardStager
+    from lightning_ort_ckpt._dcp._dcp_staging import ShardStager
 
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import load_checkpoint
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from helpers.launching import launch_script
 from helpers.ort_reference import ort_api, ort_parameters
 

@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import OrtCheckpoint, open_checkpoint
-from lightning_ort_ckpt._cli import main as ort_ckpt
+from lightning_ort_ckpt._command._cli import main as ort_ckpt
 from lightning_ort_ckpt.errors import CheckpointWarning
 from helpers.loggers import Net
 

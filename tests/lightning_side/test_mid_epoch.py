@@ -238,7 +238,7 @@ def test_a_damaged_data_position_fails_with_our_error(tmp_path: Path, damage: st
     error naming the file before any generator is set, never an IndexError from deep inside a sampler."""
     import json
 
-    from lightning_ort_ckpt._data_position import DATA_KEY
+    from lightning_ort_ckpt._fit_state._data_position import DATA_KEY
     from lightning_ort_ckpt._translation import MANIFEST
     from lightning_ort_ckpt.errors import CorruptCheckpointError
     from lightning_ort_ckpt.format import load_checkpoint, save_checkpoint
@@ -313,7 +313,7 @@ def test_augmentation_drawn_in_workers_differs_until_the_epoch_ends(tmp_path: Pa
 def test_the_plugin_alone_leaves_no_callback_of_ours_in_the_trainer(tmp_path: Path) -> None:
     """The plugin used alone adds a callback to restore the random states when training starts, and takes it out at
     its teardown: after fit, the Trainer's callbacks are the user's."""
-    from lightning_ort_ckpt._train_start import RestoreRandomStates
+    from lightning_ort_ckpt._fit_state._train_start import RestoreRandomStates
 
     _, ckpts = fit(tmp_path / "crashed", "shuffle", "plugin", 24, crash_at=15)
     path, _ = newest(ckpts)

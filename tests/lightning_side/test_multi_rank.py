@@ -37,8 +37,8 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtCheckpointIO
-from lightning_ort_ckpt._dcp_storage import METADATA_NAME, is_sharded_checkpoint, save_sharded
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._dcp._dcp_storage import METADATA_NAME, is_sharded_checkpoint, save_sharded
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import open_checkpoint
 from lightning_ort_ckpt.format import _atomic
@@ -51,7 +51,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-import lightning_ort_ckpt._resume as resume_module
+import lightning_ort_ckpt._restore._resume as resume_module
 import lightning_ort_ckpt._plugin as plugin_module
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.errors import CheckpointConfigError

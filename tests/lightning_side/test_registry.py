@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import OrtCheckpointIO
-from lightning_ort_ckpt._dcp_storage import METADATA_NAME, save_sharded
-from lightning_ort_ckpt._registry import Kind, State, committed, half, scan
+from lightning_ort_ckpt._dcp._dcp_storage import METADATA_NAME, save_sharded
+from lightning_ort_ckpt._restore._registry import Kind, State, committed, half, scan
 from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format._store import store_for
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lightning_ort_ckpt import OrtCheckpointIO
-from lightning_ort_ckpt._dcp_storage import load_sharded, save_sharded
-from lightning_ort_ckpt._registry import scan
-from lightning_ort_ckpt._resume import LastChoice, adopt, falling_back, resolve_last, unresumable
-from lightning_ort_ckpt._retention import Ledger
-from lightning_ort_ckpt._save_decision import Origin, SaveDecision, Verdict
+from lightning_ort_ckpt._dcp._dcp_storage import load_sharded, save_sharded
+from lightning_ort_ckpt._restore._registry import scan
+from lightning_ort_ckpt._restore._resume import LastChoice, adopt, falling_back, resolve_last, unresumable
+from lightning_ort_ckpt._policies._retention import Ledger
+from lightning_ort_ckpt._policies._save_decision import Origin, SaveDecision, Verdict
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning
 from lightning_ort_ckpt.format._store import store_for
 

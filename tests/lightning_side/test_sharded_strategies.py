@@ -41,8 +41,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_ort_ckpt._dcp_storage import is_sharded_checkpoint
-from lightning_ort_ckpt._reading import read_contents
+from lightning_ort_ckpt._dcp._dcp_storage import is_sharded_checkpoint
+from lightning_ort_ckpt._restore._reading import read_contents
 from helpers.launching import launch_script
 from helpers.ort_reference import ort_api, ort_parameters
 from helpers.sharded import (ASYNC, CKPT, MODES, SCRIPT, SHARDED, VALIDATED, assert_same_state, record,
@@ -221,7 +221,7 @@ def test_sharded_tensors_become_dtensors_over_the_same_memory(tmp_path: Path) ->
     from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
     from torch.distributed.tensor import DTensor
 
-    from lightning_ort_ckpt._strategies import as_dtensors
+    from lightning_ort_ckpt._dcp._strategies import as_dtensors
     from lightning_ort_ckpt.errors import CheckpointConfigError
 
     own = not dist.is_initialized()  # an in-process Trainer of another test may have left its group of one

@@ -29,7 +29,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lightning_ort_ckpt import _cli
+from lightning_ort_ckpt._command import _cli
 from lightning_ort_ckpt import _sharing as sharing
 from lightning_ort_ckpt._sharing import _limits as limits
 from lightning_ort_ckpt.errors import CheckpointError, CheckpointWarning

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import CheckpointContents, OrtCheckpoint, OrtCheckpointIO, load_checkpoint
-from lightning_ort_ckpt import _dcp_staging, _staging
+from lightning_ort_ckpt._dcp import _dcp_staging
+from lightning_ort_ckpt._saving import _staging
 from lightning_ort_ckpt.dcp import OrtStorageReader, OrtStorageWriter
 
 SAVE_STEP = 3

@@ -18,7 +18,7 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_ort_ckpt import OrtCheckpoint, OrtWandbLogger
-from lightning_ort_ckpt._cli import main as ort_ckpt
+from lightning_ort_ckpt._command._cli import main as ort_ckpt
 from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
 from helpers import forkserver
 from helpers.launching import free_port

@@ -39,9 +39,9 @@ from lightning_ort_ckpt.errors import CheckpointWarning
 from lightning_ort_ckpt.format import save_checkpoint
 from lightning_ort_ckpt.format import _atomic as atomic
 from lightning_ort_ckpt._plugin import OrtCheckpointIO
-from lightning_ort_ckpt._data_position import DATA_KEY
-from lightning_ort_ckpt._rng import RNG_KEY
-from lightning_ort_ckpt._reading import read_lightning_checkpoint
+from lightning_ort_ckpt._fit_state._data_position import DATA_KEY
+from lightning_ort_ckpt._fit_state._rng import RNG_KEY
+from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from lightning_ort_ckpt._translation import MANIFEST
 from lightning_ort_ckpt._translation.values import Unsaved
 from helpers.ort_reference import assert_same_tensor

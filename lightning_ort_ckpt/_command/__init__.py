@@ -1,0 +1,1 @@
+"""The ``ort-ckpt`` command."""

@@ -1,0 +1,1 @@
+"""Leaving training: ONNX and safetensors exports, consolidation, loading outside a Trainer."""

@@ -1,0 +1,1 @@
+"""Which checkpoints are kept and when a save is ranked: pure rules and what the callback protects."""

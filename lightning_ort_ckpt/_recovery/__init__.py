@@ -1,0 +1,2 @@
+"""Recovery from failures: the fast tier, promotion to the persistent one, peer copies, and saves asked for by
+signals."""
