@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from helpers.launching import DDP_NET, launch_script
+from helpers.launching import DDP_NET, SHARDED_NET, launch_script
 from lightning_ort_ckpt import load_checkpoint
 
 SCRIPT = r'''
@@ -31,17 +31,9 @@ from pytorch_lightning.strategies import ModelParallelStrategy
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint, open_checkpoint
 
 
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+''' + SHARDED_NET + r'''
 
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-        mesh = self.device_mesh["data_parallel"]
-        for m in (self.l1, self.l2):
-            fully_shard(m, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+class Net(ShardedNet):
 
     def training_step(self, batch, batch_idx):
         return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(batch[0]))), batch[1])

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.launching import free_port
+from helpers.launching import SHARDED_NET, free_port
 from lightning_ort_ckpt.format._store import store_for
 from lightning_ort_ckpt._restore._registry import State, scan
 from test_tiers_signals import _until_both, interrupted_at, scontrol
@@ -49,17 +49,9 @@ root, phase, async_save, waits = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == 
 warnings.simplefilter("ignore")
 
 
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+""" + SHARDED_NET + f"""
 
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-        mesh = self.device_mesh["data_parallel"]
-        for m in (self.l1, self.l2):
-            fully_shard(m, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+class Net(ShardedNet):
 
     def training_step(self, batch, batch_idx):
         x = batch[0] + 0.05 * torch.randn_like(batch[0])  # per-rank random numbers decide the run

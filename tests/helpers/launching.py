@@ -26,6 +26,21 @@ class Net(pl.LightningModule):  # a tiny regression model: 8 -> 16 -> 1, AdamW
 '''
 """The module of the DDP child scripts, as script text (it needs ``pl``, ``torch`` and ``nn`` imported)."""
 
+SHARDED_NET = r'''
+class ShardedNet(pl.LightningModule):  # 8 -> 16 -> 1, each layer and the whole sharded with FSDP2
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        mesh = self.device_mesh["data_parallel"]
+        for m in (self.l1, self.l2):
+            fully_shard(m, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+'''
+"""The base of the ModelParallel child scripts' modules, as script text: they add their steps and optimizers."""
+
 
 def free_port() -> int:
     with socket.socket() as s:

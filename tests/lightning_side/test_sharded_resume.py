@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from helpers.launching import launch_script
+from helpers.launching import SHARDED_NET, launch_script
 from helpers.s3 import _s3_env
 
 SCRIPT = r'''
@@ -38,17 +38,9 @@ from pytorch_lightning.strategies import ModelParallelStrategy
 from lightning_ort_ckpt import OrtCheckpoint, open_checkpoint
 
 
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
+''' + SHARDED_NET + r'''
 
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-        mesh = self.device_mesh["data_parallel"]
-        for m in (self.l1, self.l2):
-            fully_shard(m, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+class Net(ShardedNet):
 
     def training_step(self, batch, batch_idx):
         return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(batch[0]))), batch[1])
