@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import sys
 import textwrap
 import time
@@ -40,6 +39,7 @@ from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt._restore._reading import read_lightning_checkpoint
 from helpers import forkserver
 from helpers.preemption import MAX_STEPS, Net
+from helpers.signals import Waits, finish, interrupted_at, scontrol, until_both
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 WIDTH = 16
@@ -66,32 +66,6 @@ def make_trainer(root: Path, callbacks: list[pl.Callback], plugins: list[Any] = 
                       logger=False, enable_checkpointing=any(isinstance(c, OrtCheckpoint) for c in callbacks),
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=sanity,
                       val_check_interval=3, limit_val_batches=4, default_root_dir=root)
-
-
-class Waits(pl.Callback):
-    """In the child: says where training is, and at given steps waits for the signal the parent answers with
-    (``sigterm``: until Lightning saw it; ``requeued``: until the stand-in ``scontrol`` ran in the handler;
-    ``val-sigterm``: as ``sigterm``, after the second validation batch of that step, or of the sanity check at step
-    0), so the signal is handled at that batch boundary however loaded the machine."""
-
-    def __init__(self, waits: dict[int, str]) -> None:
-        self.waits = waits
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        print(f"training {trainer.global_step}", flush=True)
-        what = self.waits.get(trainer.global_step)
-        while what == "sigterm" and not trainer.received_sigterm or \
-                what == "requeued" and not os.path.exists(os.environ["REQUEUE_LOG"]):
-            time.sleep(0.01)
-
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
-        if batch_idx == 1 and self.waits.get(trainer.global_step) == "val-sigterm":
-            while not trainer.received_sigterm:
-                time.sleep(0.01)
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        print(f"interrupted {trainer.global_step} {type(exception).__name__}", flush=True)
 
 
 def child_fit(root: str, every: str, async_save: str, slurm: str, waits: str, ckpt_path: str = "",
@@ -243,27 +217,6 @@ def test_sigterm_during_an_async_save_commits_the_current_step(tmp_path: Path, a
     trainer = resume(tmp_path, 1)
     assert trainer.ckpt_path == str(fast / f"step={step}.ckpt")
     assert_exact(trainer)
-
-
-def interrupted_at(out: str) -> int:
-    found = [line.split() for line in out.splitlines() if line.startswith("interrupted ")]
-    assert found and found[0][2] == "SIGTERMException", out
-    return int(found[0][1])
-
-
-def scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A stand-in ``scontrol`` first on ``PATH``, recording its arguments; SLURM's variables of a 1-task job."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    log = tmp_path / "requeue.log"
-    tool = bin_dir / "scontrol"
-    tool.write_text(f'#!/bin/sh\necho "$@" > "{log}.tmp" && mv "{log}.tmp" "{log}"\n')
-    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
-    for name, value in {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "REQUEUE_LOG": str(log),
-                        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
-                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "127.0.0.1"}.items():
-        monkeypatch.setenv(name, value)
-    return log
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -454,22 +407,6 @@ def _start_ranks(tmp_path: Path, phase: str, env: dict[str, str]) -> list[Any]:
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
 
 
-def _until_both(procs: list[Any], line: str, out: list[list[str]]) -> None:
-    """Read both ranks' output until each printed ``line`` (bounded: only a hang fails)."""
-    import select
-
-    seen, deadline = [False, False], time.monotonic() + 300
-    while not all(seen):
-        assert time.monotonic() < deadline, "".join(out[0] + out[1])
-        ready, _, _ = select.select([p.stdout for p in procs], [], [], 1.0)
-        for r, p in enumerate(procs):
-            if p.stdout in ready:
-                text = p.stdout.readline()
-                assert text, f"rank {r} ended early:\n" + "".join(out[r])
-                out[r].append(text)
-                seen[r] = seen[r] or text.startswith(line)
-
-
 def test_two_ranks_requeue_then_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2 DDP ranks under ``SLURMEnvironment`` (gloo, async saves, the fast tier every 5 steps): SIGUSR1 to both at
     step 4 (``hpc_ckpt_1.ckpt``, written by rank 0, every rank in its barrier), SIGTERM to both at step 6 (the fast
@@ -480,19 +417,14 @@ def test_two_ranks_requeue_then_sigterm(tmp_path: Path, monkeypatch: pytest.Monk
         env = dict(os.environ)
     procs, out = _start_ranks(tmp_path, "first", env), [[], []]
     try:
-        _until_both(procs, "training 4", out)
+        until_both(procs, "training 4", out)
         for p in procs:
             p.send_signal(signal.SIGUSR1)
-        _until_both(procs, "training 6", out)
+        until_both(procs, "training 6", out)
         for p in procs:
             p.send_signal(signal.SIGTERM)
-        for r, p in enumerate(procs):
-            out[r].append(p.communicate(timeout=300)[0])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        finish(procs, out)
     text = "".join(out[0] + out[1])
     assert log.read_text().split() == ["requeue", "4242"], text
     assert read_lightning_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")["global_step"] == 4

@@ -27,7 +27,7 @@ import torch
 from helpers.launching import SHARDED_NET, free_port
 from lightning_ort_ckpt.format._store import store_for
 from lightning_ort_ckpt._restore._registry import State, scan
-from test_tiers_signals import _until_both, interrupted_at, scontrol
+from helpers.signals import finish, interrupted_at, scontrol, until_both
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,7 +43,7 @@ from pytorch_lightning.plugins.environments import SLURMEnvironment
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint
-from test_tiers_signals import Waits
+from helpers.signals import Waits
 
 root, phase, async_save, waits = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 warnings.simplefilter("ignore")
@@ -118,17 +118,6 @@ def _start_ranks(tmp_path: Path, phase: str, env: dict[str, str], async_save: bo
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
 
 
-def _finish(procs: list[Any], out: list[list[str]]) -> None:
-    try:
-        for r, p in enumerate(procs):
-            out[r].append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-
-
 @pytest.mark.parametrize("async_save,then", [(False, "kill"), (True, "kill"), (True, "sigterm")],
                          ids=["sync-kill", "async-kill", "async-sigterm"])
 def test_sharded_requeue_resumes_every_rank_from_the_newest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -140,14 +129,14 @@ def test_sharded_requeue_resumes_every_rank_from_the_newest(tmp_path: Path, monk
         ("4:requeued,6:sigterm", "training 6")
     procs, out = _start_ranks(tmp_path, "first", env, async_save, waits), [[], []]
     try:
-        _until_both(procs, "training 4", out)
+        until_both(procs, "training 4", out)
         for p in procs:
             p.send_signal(signal.SIGUSR1)
-        _until_both(procs, last_signal, out)
+        until_both(procs, last_signal, out)
         for p in procs:
             p.send_signal(signal.SIGKILL if then == "kill" else signal.SIGTERM)
     finally:
-        _finish(procs, out)
+        finish(procs, out)
     text = "".join(out[0] + out[1])
     assert log.read_text().split() == ["requeue", "4242"], text
     hpc = tmp_path / "hpc_ckpt_1.ckpt"
@@ -165,7 +154,7 @@ def test_sharded_requeue_resumes_every_rank_from_the_newest(tmp_path: Path, monk
         assert os.listdir(tmp_path / "fast") == [f"step={step}.ckpt"], text
         expected_path, expected_start = str(tmp_path / "fast" / f"step={step}.ckpt"), step
     procs, out = _start_ranks(tmp_path, "last", env, async_save, ""), [[], []]
-    _finish(procs, out)
+    finish(procs, out)
     for r, p in enumerate(procs):
         assert p.returncode == 0, "".join(out[r])
         got = json.loads((tmp_path / f"last.rank{r}.json").read_text())
