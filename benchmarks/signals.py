@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
-from tiers import _in_child
+from tiers import _in_child, step_in_child
 
 POINTS = ("training", "validation", "sanity check", "async save")
 HANG_S = 60.0
@@ -181,20 +181,12 @@ def _slurm_env(root: str) -> dict[str, str]:
 
 def _resumed_step(root: str) -> int | None:
     """The step ``fit(ckpt_path="last")`` resumes from, in a forked process (None if it failed)."""
-    read, write = os.pipe()
-
-    def resume() -> None:
-        os.close(read)
+    def resume() -> pl.Trainer:
         trainer = _trainer(root, [], False, 5, steps=0)  # loads, trains nothing
         trainer.fit(Net(), _data(), _data(), ckpt_path="last")
-        os.write(write, f"{trainer.global_step}\n".encode())
+        return trainer
 
-    pid = _in_child(resume)
-    os.close(write)
-    with os.fdopen(read, "rb") as out:
-        text = out.read().decode().strip()
-    _, status = os.waitpid(pid, 0)
-    return int(text) if status == 0 and text else None
+    return step_in_child(resume)
 
 
 def one_trial(root: str, sig: int, point: str, async_save: bool, rng: random.Random) -> dict[str, Any]:

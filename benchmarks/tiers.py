@@ -153,24 +153,33 @@ def one_kill(root: str, async_save: bool, rng: random.Random) -> tuple[int, int]
     return reported, _resumed_step(root)
 
 
-def _resumed_step(root: str) -> int:
-    """The step ``fit(ckpt_path="last")`` resumes from, in a forked process."""
+def step_in_child(fit: Any) -> int | None:
+    """The global step of the Trainer ``fit()`` returns once it has run, in a forked process; None if it failed."""
     read, write = os.pipe()
 
-    def resume() -> None:
+    def run() -> None:
         os.close(read)
-        trainer = _trainer([_callback(root, False)], 0)  # loads, trains nothing
-        trainer.fit(Small(), _data(64, 4096), ckpt_path="last")
-        os.write(write, f"{trainer.global_step}\n".encode())
+        os.write(write, f"{fit().global_step}\n".encode())
 
-    pid = _in_child(resume)
+    pid = _in_child(run)
     os.close(write)
     with os.fdopen(read, "rb") as out:
         text = out.read().decode().strip()
     _, status = os.waitpid(pid, 0)
-    if status != 0 or not text:
-        raise RuntimeError(f"the resume in {root} failed (status {status})")
-    return int(text)
+    return int(text) if status == 0 and text else None
+
+
+def _resumed_step(root: str) -> int:
+    """The step ``fit(ckpt_path="last")`` resumes from, in a forked process."""
+    def resume() -> pl.Trainer:
+        trainer = _trainer([_callback(root, False)], 0)  # loads, trains nothing
+        trainer.fit(Small(), _data(64, 4096), ckpt_path="last")
+        return trainer
+
+    step = step_in_child(resume)
+    if step is None:
+        raise RuntimeError(f"the resume in {root} failed")
+    return step
 
 
 def one_sigterm(root: str, async_save: bool, rng: random.Random) -> tuple[int, int, float] | None:
