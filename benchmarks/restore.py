@@ -86,7 +86,7 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps({"seconds": model.first_step - start}))
 
 
-def _prepare(files: list[str], warm: bool) -> None:
+def set_cache(files: list[str], warm: bool) -> None:
     """Every byte of ``files`` in the page cache (``warm``), or none of them."""
     for name in files:
         with open(name, "rb") as f:
@@ -111,7 +111,7 @@ def _raw_read(files: list[str]) -> float:
 
 
 def _measure(args: argparse.Namespace, kind: str, ckpt: str, out: Path, files: list[str]) -> float:
-    _prepare(files, args.cache == "warm")
+    set_cache(files, args.cache == "warm")
     command = [sys.executable, __file__, "--child", "--kind", kind, "--params", str(args.params), "--out", str(out)]
     result = subprocess.run([*command, "--ckpt", ckpt], check=True, capture_output=True, text=True)
     return float(json.loads(result.stdout.strip().splitlines()[-1])["seconds"])
@@ -142,7 +142,7 @@ def main() -> None:
             times["scratch"].append(_measure(args, "ours", "", directory / "scratch", []))
             for kind in ("ours", "lightning"):
                 times[kind].append(_measure(args, kind, ckpts[kind], directory / f"resumed-{kind}", files[kind]))
-                _prepare(files[kind], args.cache == "warm")
+                set_cache(files[kind], args.cache == "warm")
                 times[f"raw {kind}"].append(_raw_read(files[kind]))
     median = {k: statistics.median(v) for k, v in times.items()}
     print(f"{args.params:g}M parameters + AdamW ({size['ours'] / 1e6:.1f} MB ours, {size['lightning'] / 1e6:.1f} MB "

@@ -31,6 +31,8 @@ import tempfile
 import time
 import warnings
 
+from restore import set_cache  # (this folder: the benchmark is run as a script)
+
 
 def _kb(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -41,15 +43,7 @@ def _prepare(folders: list[str], warm: bool) -> None:
     """Every byte of the files in ``folders`` in the page cache (``warm``), or none of them. Our saves leave their
     files uncached (write-behind) and DCP's leave them cached: without this, a load right after a save would read
     ours from the disk and DCP's from memory."""
-    for folder in folders:
-        for name in sorted(os.listdir(folder)):
-            with open(os.path.join(folder, name), "rb") as f:
-                if warm:
-                    while f.read(64 << 20):
-                        pass
-                else:
-                    os.fsync(f.fileno())
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    set_cache([os.path.join(folder, name) for folder in folders for name in sorted(os.listdir(folder))], warm)
 
 
 def _worker(mb: int, rounds: int, directory: str, ahead: bool, cache: str) -> None:
