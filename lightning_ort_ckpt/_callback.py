@@ -301,18 +301,7 @@ class OrtCheckpointMixin(_Base):
     def resolve_last(self, trainer: Any, *, at_setup: bool = False) -> str | None:
         """What ``ckpt_path="last"`` resumes from (``_resume``). With peer copies, nothing is read before
         ``setup`` (``at_setup``): the listing's newest, then the choice again once the copies are back."""
-        directory = _lightning_adapter.resolve_ckpt_dir(self, trainer)  # as Lightning does
-        entries = _registry.scan(directory, self._store(directory), extension=self.FILE_EXTENSION,
-                                 last_name=self.CHECKPOINT_NAME_LAST,  # sub-folders
-                                 recursive="/" in (self.filename or "") + self.CHECKPOINT_NAME_LAST) if directory else []
-        rank_zero = trainer.global_rank == 0
-        if rank_zero and not at_setup:
-            self._preservation.take_half(entries)
-        entries = self._tier.nearest_first(entries, trainer)  # every tier's, nearest first (_tiers)
-        reads = rank_zero and (at_setup or not self._tier.reads_last_at_setup(trainer))
-        return self._resumption.find(entries, str(directory), rank_zero=reads, alone=trainer.world_size == 1,
-                                     io=bound_plugin(trainer) or self.checkpoint_io, store_of=self._store,
-                                     module=trainer.lightning_module)
+        return _resolve_last(self, trainer, at_setup)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_score_step": self.current_score_step,
@@ -396,6 +385,24 @@ def _agree_on_last(callback: OrtCheckpointMixin, trainer: Any, stage: str) -> No
         _ranks.all_ranks(trainer), str(dirpath), lambda path: _lightning_adapter.set_resumed_path(trainer, path)))
     if fallback is not None:
         _lightning_adapter.wrap_next_load(trainer.strategy, fallback)
+
+
+def _resolve_last(callback: OrtCheckpointMixin, trainer: Any, at_setup: bool) -> str | None:
+    """:meth:`OrtCheckpointMixin.resolve_last`: ``dirpath`` listed as Lightning resolves it, every tier's
+    candidates merged nearest first, and rank 0 reading them until one resumes."""
+    directory = _lightning_adapter.resolve_ckpt_dir(callback, trainer)  # as Lightning does
+    name = callback.CHECKPOINT_NAME_LAST
+    entries = _registry.scan(directory, callback._store(directory), extension=callback.FILE_EXTENSION,
+                             last_name=name,  # sub-folders
+                             recursive="/" in (callback.filename or "") + name) if directory else []
+    rank_zero = trainer.global_rank == 0
+    if rank_zero and not at_setup:
+        callback._preservation.take_half(entries)
+    entries = callback._tier.nearest_first(entries, trainer)  # every tier's, nearest first (_tiers)
+    reads = rank_zero and (at_setup or not callback._tier.reads_last_at_setup(trainer))
+    return callback._resumption.find(entries, str(directory), rank_zero=reads, alone=trainer.world_size == 1,
+                                     io=bound_plugin(trainer) or callback.checkpoint_io, store_of=callback._store,
+                                     module=trainer.lightning_module)
 
 
 def _resolve_again(callback: OrtCheckpointMixin, trainer: Any) -> None:
