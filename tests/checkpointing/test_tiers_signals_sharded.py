@@ -57,9 +57,6 @@ class Net(ShardedNet):
         x = batch[0] + 0.05 * torch.randn_like(batch[0])  # per-rank random numbers decide the run
         return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(x))), batch[1])
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
-
     def on_fit_start(self):
         torch.manual_seed(1000 + self.global_rank)
 

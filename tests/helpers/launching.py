@@ -27,7 +27,7 @@ class Net(pl.LightningModule):  # a tiny regression model: 8 -> 16 -> 1, AdamW
 """The module of the DDP child scripts, as script text (it needs ``pl``, ``torch`` and ``nn`` imported)."""
 
 SHARDED_NET = r'''
-class ShardedNet(pl.LightningModule):  # 8 -> 16 -> 1, each layer and the whole sharded with FSDP2
+class ShardedNet(pl.LightningModule):  # 8 -> 16 -> 1, each layer and the whole sharded with FSDP2, AdamW
     def __init__(self):
         super().__init__()
         self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 1)
@@ -38,8 +38,15 @@ class ShardedNet(pl.LightningModule):  # 8 -> 16 -> 1, each layer and the whole 
         for m in (self.l1, self.l2):
             fully_shard(m, mesh=mesh)
         fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(batch[0]))), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
 '''
-"""The base of the ModelParallel child scripts' modules, as script text: they add their steps and optimizers."""
+"""The module of the ModelParallel child scripts, as script text (it needs ``pl``, ``torch`` and ``nn`` imported):
+a regression step and AdamW, which a script may override."""
 
 
 def free_port() -> int:
