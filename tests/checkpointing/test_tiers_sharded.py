@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from helpers.damage import FLIP_A_SHARD_BYTE
 from helpers.launching import DDP_NET, SHARDED_NET, launch_script
 from lightning_ort_ckpt import load_checkpoint
 
@@ -66,15 +67,10 @@ def fit(name, max_steps, ckpt_path=None, after=None):
     trainer.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4), ckpt_path=ckpt_path)
 
 
+''' + FLIP_A_SHARD_BYTE + r'''
+
 def flip_a_tensor_byte():
-    shard = sorted(glob.glob(os.path.join(OUT, "fast", "step=8.ckpt", "shard-*.odtc")))[0]
-    with open_checkpoint(shard) as reader:
-        info = max(reader.tensors(), key=lambda t: t.nbytes)
-        raw = reader.numpy(info).tobytes()
-    data = bytearray(open(shard, "rb").read())
-    data[data.find(raw) + 3] ^= 0xFF
-    with open(shard, "wb") as f:
-        f.write(data)
+    flip_a_shard_byte(os.path.join(OUT, "fast", "step=8.ckpt"))
 
 
 OUT = sys.argv[1]

@@ -23,3 +23,18 @@ def damaged_copy(src: Path, dst: Path, tensor: str = "layer.weight") -> Path:
         info = reader.trainable[tensor]
     flip(dst, info.offset + info.nbytes - 1, 3)
     return dst
+
+
+FLIP_A_SHARD_BYTE = r'''
+def flip_a_shard_byte(folder):
+    """One byte inside the largest tensor of the first shard file of a sharded checkpoint folder, flipped."""
+    shard = sorted(glob.glob(os.path.join(folder, "shard-*.odtc")))[0]
+    with open_checkpoint(shard) as reader:
+        info = max(reader.tensors(), key=lambda t: t.nbytes)
+        raw = reader.numpy(info).tobytes()
+    data = bytearray(open(shard, "rb").read())
+    data[data.find(raw) + 3] ^= 0xFF
+    with open(shard, "wb") as f:
+        f.write(data)
+'''
+"""For the rank scripts, as script text (it needs ``glob``, ``os`` and ``open_checkpoint`` imported)."""

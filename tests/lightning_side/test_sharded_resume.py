@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from helpers.damage import FLIP_A_SHARD_BYTE
 from helpers.launching import SHARDED_NET, launch_script
 from helpers.s3 import _s3_env
 
@@ -76,15 +77,10 @@ def leave_half_folder(dirpath):
     fs.pipe_file(f"{root}/epoch=0-step=5.ckpt/shard-0000000000000000-00000.odtc", b"a save that did not finish")
 
 
+''' + FLIP_A_SHARD_BYTE + r'''
+
 def flip_a_tensor_byte(dirpath):
-    shard = sorted(glob.glob(os.path.join(dirpath, "epoch=0-step=4.ckpt", "shard-*.odtc")))[0]
-    with open_checkpoint(shard) as reader:
-        info = max(reader.tensors(), key=lambda t: t.nbytes)
-        raw = reader.numpy(info).tobytes()
-    data = bytearray(open(shard, "rb").read())
-    data[data.find(raw) + 3] ^= 0xFF
-    with open(shard, "wb") as f:
-        f.write(data)
+    flip_a_shard_byte(os.path.join(dirpath, "epoch=0-step=4.ckpt"))
 
 
 def remove_a_shard(dirpath):
