@@ -1,12 +1,10 @@
 """``BindCheckpointIO``: the callback that binds an ``OrtCheckpointIO`` used without ``OrtCheckpoint``.
 
-The plugin binds itself when Lightning hands it to a strategy (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``) and
-adds its own callback to restore the random states of a resumed fit (``_train_start``), so
-``Trainer(plugins=[OrtCheckpointIO()])`` with Lightning's ``ModelCheckpoint`` needs nothing more. This callback, the
-one line that used to be needed, still works and changes nothing: its ``setup`` (before anything is saved or
-restored, in every process of every launcher) binds the Trainer's ``OrtCheckpointIO``, bare or wrapped
-(``AsyncCheckpointIO``), to its strategy, and its ``on_train_start`` restores the random states of the checkpoint
-the fit resumed from. ``OrtCheckpoint`` does both itself."""
+Its ``setup`` (before anything is saved or restored, in every process of every launcher) binds the Trainer's
+``OrtCheckpointIO``, bare or wrapped (``AsyncCheckpointIO``), to its strategy, and its ``on_train_start`` restores
+the random states of the checkpoint the fit resumed from. ``OrtCheckpoint`` does both itself. Bound so, the plugin
+lets go of the process-wide wrap of Lightning's ``checkpoint_io`` setter through which a plugin left alone finds its
+strategy (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``, deprecated with a ``FutureWarning``, goes in 0.6)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,11 @@ Lightning's ``TorchCheckpointIO``, so a run can switch formats midway. ``OrtChec
 
 A ``CheckpointIO`` receives only the checkpoint dict, yet ORT wants trainable parameters apart from buffers and
 optimizer state keyed by parameter name. The plugin asks the Lightning strategy it is bound to for the module and
-its optimizers (:meth:`OrtCheckpointIOMixin.bind`). It binds itself when Lightning hands it to a strategy
-(``Trainer(plugins=[OrtCheckpointIO()])``: ``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``), or, in a process that
-received its Trainer pickled (``ddp_spawn``), at the first save or load its strategy asks of it; ``OrtCheckpoint``
-and ``BindCheckpointIO`` bind it in their ``setup`` too. Called directly, outside a Trainer, it saves every
+its optimizers (:meth:`OrtCheckpointIOMixin.bind`): ``OrtCheckpoint`` and ``BindCheckpointIO`` bind it in their
+``setup``, a Fabric script with ``plugin.bind(fabric.strategy)``. Left unbound (deprecated, with a ``FutureWarning``;
+goes in 0.6) it binds itself when Lightning hands it to a strategy (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``),
+or, in a process that received its Trainer pickled (``ddp_spawn``), at the first save or load its strategy asks.
+Called directly, outside a Trainer, it saves every
 ``state_dict`` entry as frozen and optimizer state under index names ``param<i>``, with a warning: ORT cannot train
 from such a file. The random states a file carries are restored when training starts
 (:meth:`OrtCheckpointIOMixin.restore_random_states`, called by ``OrtCheckpoint``, ``BindCheckpointIO``, or the
@@ -101,7 +102,7 @@ class OrtCheckpointIOMixin:
         self.storage_options = storage_options
         self.fast_forward_iterables = fast_forward_iterables
         self._start(async_save)
-        self._assignment = _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)  # not when unpickled (spawn)
+        self._assignment = _lightning_adapter.CHECKPOINT_IO_ASSIGNMENT.hold_while(self)  # deprecated; until ``bind``
 
     def _start(self, async_save: bool) -> None:
         """The per-process state: none of it travels to a spawned process (the launcher pickles the Trainer)."""
@@ -116,6 +117,8 @@ class OrtCheckpointIOMixin:
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
         self._reentry = _signals.Reentry()  # its calls in progress: a save in a signal handler waits for them
         self._promotion: Callable[[str], str | None] | None = None  # where a save goes first (_tiers, _promotion)
+        self._assignment = _nothing  # lets go of the setter wrap's hold (``__init__`` takes it)
+        self._found_by: str | None = None  # how the strategy was found without being bound, until that is warned of
 
     def __getstate__(self) -> dict[str, Any]:
         """The settings only: no thread, buffers or owner."""
@@ -151,6 +154,7 @@ class OrtCheckpointIOMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         self._raise_background_error()
+        self._warn_if_found()
         if _lightning_adapter.launcher_weights(path, checkpoint):
             return _save_torch(checkpoint, path)  # Lightning's launcher hands weights to the main process
         target = local_path(path)
@@ -180,6 +184,7 @@ class OrtCheckpointIOMixin:
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         self.wait()
+        self._warn_if_found()
         path = local_path(path)
         held, self._held = self._held, None
         found = held[1] if held is not None and held[0] == path else None
@@ -279,16 +284,27 @@ class OrtCheckpointIOMixin:
             if owner is None:
                 return None
             self._ort_ckpt_assigned_to(owner)  # a Trainer that came pickled (spawn): bound at its first call
+            self._found_by = "at its first save or load (the Trainer came pickled: ddp_spawn)"
+        self._warn_if_found()
         io = _lightning_adapter.raw_checkpoint_io(owner)
         if io is not self and getattr(io, "checkpoint_io", None) is not self:  # used bare, or wrapped (async)
             return None
         return owner if not state_dict or _holds(owner, state_dict) else None
 
     def bind(self, strategy: Any) -> None:
-        """Remember the strategy that uses this plugin, weakly: ``OrtCheckpoint`` and ``BindCheckpointIO`` call
-        this in ``setup``, before anything is saved or restored. A sharded strategy (``ModelParallelStrategy``,
-        ``FSDPStrategy``), which saves and loads without its ``CheckpointIO``, saves and loads through this plugin
-        until :meth:`teardown` (``_strategies``); DeepSpeed is refused here."""
+        """Serve ``strategy``, held weakly: ``OrtCheckpoint`` and ``BindCheckpointIO`` call this in ``setup``, before
+        anything is saved or restored; a Fabric script calls ``plugin.bind(fabric.strategy)`` once the ``Fabric``
+        is made. A sharded strategy (``ModelParallelStrategy``, ``FSDPStrategy``), which saves and loads without
+        its ``CheckpointIO``, saves and loads through this plugin until :meth:`teardown` (``_strategies``);
+        DeepSpeed is refused here. Bound so, the plugin needs no word of Lightning's assignment any more: it lets go
+        of the ``checkpoint_io`` setter's wrap (deprecated, ``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``)."""
+        self._assignment()
+        self._found_by = None
+        if _fabric.is_fabric_strategy(strategy):
+            return self._watch_fabric(strategy)
+        self._bind(strategy)
+
+    def _bind(self, strategy: Any) -> None:
         self._owner = weakref.ref(strategy)
         _lightning_adapter.import_what_saves_import()  # not from inside a save a signal handler starts
         if self._attachment is not None:  # bound before (when Lightning assigned it, then by a callback's setup)
@@ -302,12 +318,27 @@ class OrtCheckpointIOMixin:
         """Lightning gave this plugin to ``strategy`` (``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``): bound to it
         fit after fit while the strategy holds it (a sharded one keeps saving and loading through it after
         ``teardown``), as if ``BindCheckpointIO`` were there; DeepSpeed is refused here, when the Trainer is made."""
-        if _fabric.is_fabric_strategy(strategy):  # its saves watched for modules and optimizers until teardown
-            self._fabric = _fabric.FabricSaves(strategy)
-            self._unwrap = self._fabric.close
-            return
-        self.bind(strategy)
+        self._found_by = "through a process-wide wrap of Lightning's Strategy.checkpoint_io setter"
+        if _fabric.is_fabric_strategy(strategy):
+            return self._watch_fabric(strategy)
+        self._bind(strategy)
         self._unwrap = self._attachment.close if self._attachment is not None else None
+
+    def _watch_fabric(self, strategy: Any) -> None:
+        """A Fabric strategy's saves are watched for their modules and optimizers until :meth:`teardown`."""
+        if self._fabric is not None:
+            self._fabric.close()
+        self._fabric = _fabric.FabricSaves(strategy)
+        self._unwrap = self._fabric.close
+
+    def _warn_if_found(self) -> None:
+        """Once: this plugin serves a strategy it found itself, as 0.6 will no longer do (see :meth:`bind`)."""
+        found, self._found_by = self._found_by, None
+        if found is not None:
+            warnings.warn(
+                f"OrtCheckpointIO was not bound to the strategy it serves: it found it {found}, which is "
+                "deprecated and stops in 0.6. Add BindCheckpointIO() to the Trainer's callbacks (or use "
+                "OrtCheckpoint); with Fabric, call plugin.bind(fabric.strategy).", FutureWarning, stacklevel=2)
 
 
 def _save_torch(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
@@ -335,6 +366,10 @@ def _arming(executor: SaveExecutor, attachment: _strategies.Attachment | None) -
             attachment.arm(list(strategy.optimizers))
 
     return arm
+
+
+def _nothing() -> None:
+    """No hold on the setter wrap to let go of: a plugin unpickled in a spawned process takes none."""
 
 
 def _raise(error: BaseException | None) -> None:

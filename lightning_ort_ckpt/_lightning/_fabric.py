@@ -2,8 +2,9 @@
 
 Fabric turns the modules and optimizers of ``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})``
 into their state dicts before its ``CheckpointIO`` sees them, so the plugin alone could not tell trainable
-parameters from buffers, nor name optimizer moments. While the plugin is Fabric's (Lightning hands it to a Fabric
-strategy: ``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``), :class:`FabricSaves` watches that strategy's
+parameters from buffers, nor name optimizer moments. While the plugin is bound to a Fabric strategy
+(``plugin.bind(fabric.strategy)``; or, deprecated, when Lightning hands it to one:
+``_lightning_adapter.CHECKPOINT_IO_ASSIGNMENT``), :class:`FabricSaves` watches that strategy's
 ``save_checkpoint`` (that instance's, until the plugin's ``teardown``) and remembers which keys of the state hold which module and optimizer. The plugin then saves
 the state in the layout of a Lightning checkpoint (``state_dict``: the module's, or the modules' under their keys;
 ``optimizer_states``: in the order of their keys), which ORT trains from, and records under :data:`FABRIC_KEY`

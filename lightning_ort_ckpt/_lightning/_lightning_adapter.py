@@ -33,9 +33,10 @@ What it holds:
   fallback does: it wraps one ``load_checkpoint`` for one load and names the checkpoint it fell back to as the
   Trainer's ``ckpt_path`` (:func:`set_resumed_path`);
 - **the setter** ``Strategy.checkpoint_io`` of Lightning's base strategy classes (Trainer's and Fabric's), wrapped
-  while an ``OrtCheckpointIO`` made by the user exists (:data:`CHECKPOINT_IO_ASSIGNMENT`; released by the garbage
-  collector, the one process-wide wrap left: ARCHITECTURE.md, "What is global"; ``OrtCheckpoint``'s own plugin lets
-  go of it at once): it tells the plugin which strategy it serves; a Fabric
+  while an ``OrtCheckpointIO`` made by the user exists unbound (:data:`CHECKPOINT_IO_ASSIGNMENT`, deprecated: a plugin
+  lets go of it when bound, else the garbage collector releases it; the one process-wide wrap left: ARCHITECTURE.md,
+  "What is global"; ``OrtCheckpoint``'s own plugin lets go of it at once): it tells the plugin which strategy it
+  serves; a Fabric
   strategy's ``save_checkpoint`` is wrapped per instance until the plugin's teardown (:func:`wrap_fabric_save`),
   and a Trainer unpickled in a spawned process is found from the calling frames (:func:`calling_strategy`: it reads
   them, installs nothing);
@@ -581,7 +582,7 @@ ASSIGNED_HOOK = "_ort_ckpt_assigned_to"
 
 class CheckpointIOAssignment:
     """The wrap of the ``checkpoint_io`` setter of Lightning's base ``Strategy`` classes, on while anyone holds it
-    (every ``OrtCheckpointIO`` does, while it exists): Lightning hands a plugin to its strategy with that setter
+    (every ``OrtCheckpointIO`` does, from when it is made until it is bound or freed; deprecated, goes in 0.6): Lightning hands a plugin to its strategy with that setter
     (``_AcceleratorConnector``, for ``Trainer(plugins=[...])`` and ``Fabric(plugins=[...])``, and ``OrtCheckpoint``
     in ``setup``), and a ``CheckpointIO`` gets no other word of which strategy it serves. When the one set has
     :data:`ASSIGNED_HOOK` (bare, or inside Lightning's ``AsyncCheckpointIO``), it is called with the strategy; every

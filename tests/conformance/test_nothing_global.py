@@ -8,10 +8,12 @@ what is left after teardown and ``del`` for the collector (no object of ours on 
 of Lightning's holds is freed at its last reference), no fork handler, 50 fits in a row, and a plain Trainer beside
 one of ours. The same snapshots in each rank of 2-rank runs: test_nothing_global_ranks.py.
 
-One exception is left, named in :data:`STILL_GLOBAL` (and ARCHITECTURE.md, "What is global"): the ``checkpoint_io``
-setter of Lightning's base ``Strategy`` classes, wrapped while an ``OrtCheckpointIO`` made by the user exists, which
-is how a plugin used alone (and Fabric's) learns its strategy; ``OrtCheckpoint``'s own plugin lets go of it at once. :func:`test_the_checkpoint_io_setter_is_still_wrapped` fails once
-that is fixed, so that the exception goes too.
+One exception is left, deprecated, named in :data:`STILL_GLOBAL` (and ARCHITECTURE.md, "What is global"): the
+``checkpoint_io`` setter of Lightning's base ``Strategy`` classes, wrapped from the moment the user makes an
+``OrtCheckpointIO`` until it is bound (``OrtCheckpoint``, ``BindCheckpointIO``, ``plugin.bind``) or freed: it is how a
+plugin used alone (and Fabric's, unbound) learns its strategy, with a ``FutureWarning``. A plugin bound explicitly
+leaves the process as it found it; :func:`test_the_checkpoint_io_setter_is_still_wrapped` fails once the deprecated
+wrap is gone (0.6), so that the exception goes too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import gc
 import os
 import resource
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -109,8 +112,10 @@ def test_a_trainer_of_ours_leaves_the_process_as_it_found_it(configuration: str,
                                                              no_collector: None) -> None:
     """Made (nothing installed), two fits (the second resumes from "last", through a stand-in on memory://) and
     their teardowns: the snapshot is the one taken before, but for :data:`STILL_GLOBAL` while a plugin the user made
-    exists (the callback's own plugin lets go of it at once: the callback installs nothing at all)."""
+    is not bound (the callback's own plugin lets go of it at once: the callback installs nothing at all; a plugin
+    that ``BindCheckpointIO`` binds lets go in ``setup``; only the plugin alone, deprecated, keeps it)."""
     allowed = set() if configuration.startswith("callback") else STILL_GLOBAL
+    after_fits = STILL_GLOBAL if configuration == "plugin alone" else set()
     before = snapshot()
     callbacks, plugins = CONFIGURATIONS[configuration](tmp_path)()
     assert differences(before, snapshot()) <= allowed  # making them installs nothing else
@@ -118,14 +123,14 @@ def test_a_trainer_of_ours_leaves_the_process_as_it_found_it(configuration: str,
     assert differences(before, snapshot()) <= allowed
     first.fit(Tiny(), data())
     wait_for_cleanup()
-    assert differences(before, snapshot()) <= allowed
+    assert differences(before, snapshot()) <= after_fits
     callbacks, plugins = CONFIGURATIONS[configuration](tmp_path)()
     second = trainer(callbacks, plugins, steps=8)
     second.fit(Tiny(), data(), ckpt_path="last")
     wait_for_cleanup()
     assert second.global_step == 8 and second.ckpt_path is not None and "ort-ckpt-last-" not in str(second.ckpt_path)
     after = snapshot()
-    assert differences(before, after) <= allowed, described(before, after)
+    assert differences(before, after) <= after_fits, described(before, after)
     for optimizer in first.optimizers + second.optimizers:  # nor a hook left on the fits' own optimizers
         assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
     for trained in (first, second):  # nor a checkpointing wrap left on the strategy instance, nor a callback added
@@ -136,33 +141,57 @@ def test_a_trainer_of_ours_leaves_the_process_as_it_found_it(configuration: str,
         assert [type(c).__name__ for c in trained.callbacks].count("RestoreRandomStates") == 0
 
 
-def test_fabric_leaves_the_process_as_it_found_it(tmp_path: Path, no_collector: None) -> None:
-    """``Fabric(plugins=[OrtCheckpointIO()])``: a save and a load change nothing of the process but
-    :data:`STILL_GLOBAL` while the plugin exists; the wrap of the strategy instance's save is gone at the plugin's
-    teardown."""
+@pytest.mark.parametrize("bound", [False, True], ids=["unbound (deprecated)", "plugin.bind(fabric.strategy)"])
+def test_fabric_leaves_the_process_as_it_found_it(bound: bool, tmp_path: Path, no_collector: None) -> None:
+    """``Fabric(plugins=[OrtCheckpointIO()])``: a save and a load change nothing of the process; bound with
+    ``plugin.bind(fabric.strategy)`` nothing at all and no warning, unbound (deprecated) :data:`STILL_GLOBAL` while
+    the plugin exists and a ``FutureWarning`` at the first save. The wrap of the strategy instance's save is gone at
+    the plugin's teardown."""
     from lightning_fabric import Fabric
 
     before = snapshot()
     plugin = OrtCheckpointIO()
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    if bound:
+        plugin.bind(fabric.strategy)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     model, optimizer = fabric.setup(model, optimizer)
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
+    deprecated = [str(w.message) for w in caught if w.category is FutureWarning and "bind(" in str(w.message)]
+    assert len(deprecated) == (0 if bound else 1), deprecated
     state = {"model": model, "optimizer": optimizer}
     assert fabric.load(tmp_path / "fabric.ckpt", state) == {"step": 1}
     assert "save_checkpoint" in fabric.strategy.__dict__  # watched, on that instance only
+    assert differences(before, snapshot()) == (set() if bound else {k for k in STILL_GLOBAL if before[k] is not None})
     plugin.teardown()
     assert "save_checkpoint" not in fabric.strategy.__dict__  # and no more after the plugin's teardown
-    assert differences(before, snapshot()) <= STILL_GLOBAL
+    assert differences(before, snapshot()) <= (set() if bound else STILL_GLOBAL)
+
+
+@pytest.mark.parametrize("configuration", ["plugin alone", "plugin + BindCheckpointIO"])
+def test_only_the_plugin_alone_warns_that_finding_its_strategy_is_deprecated(configuration: str,
+                                                                             tmp_path: Path) -> None:
+    """The plugin alone learns its strategy through the setter wrap: one ``FutureWarning`` per fit that saves,
+    naming what to add; bound by ``BindCheckpointIO``, none."""
+    callbacks, plugins = CONFIGURATIONS[configuration](tmp_path)()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(callbacks, plugins).fit(Tiny(), data())
+    deprecated = [str(w.message) for w in caught if w.category is FutureWarning and "OrtCheckpointIO" in str(w.message)]
+    assert len(deprecated) == (configuration == "plugin alone"), deprecated
+    if deprecated:
+        assert "BindCheckpointIO()" in deprecated[0] and "0.6" in deprecated[0] and len(deprecated[0]) < 400
 
 
 def test_the_checkpoint_io_setter_is_still_wrapped(no_collector: None) -> None:
-    """The one exception left (issue 40, point 1a): while an ``OrtCheckpointIO`` exists, the ``checkpoint_io`` setter
-    of Lightning's base strategy classes is wrapped. When this fails, the exception is gone: empty
-    :data:`STILL_GLOBAL`."""
+    """The one exception left (issue 40, point 1a), deprecated: while an ``OrtCheckpointIO`` exists unbound, the
+    ``checkpoint_io`` setter of Lightning's base strategy classes is wrapped. When this fails, the exception is
+    gone: empty :data:`STILL_GLOBAL`."""
     before = snapshot()
     plugin = OrtCheckpointIO()
     assert differences(before, snapshot()) == {key for key in STILL_GLOBAL if before[key] is not None}

@@ -1,7 +1,7 @@
 """The conformance zoo under Fabric: every model of ``zoo_models.ZOO`` (tied weights, frozen parts, BatchNorm, two
-optimizers, a OneCycle schedule, bfloat16...) trained in a plain Fabric loop with
-``Fabric(plugins=[OrtCheckpointIO()])``, saved after one epoch with ``fabric.save``, loaded with ``fabric.load`` into
-a model built from another seed, and trained one more epoch: bitwise the uninterrupted run. Fabric leaves the random
+optimizers, a OneCycle schedule, bfloat16...) trained in a plain Fabric loop with ``Fabric(plugins=[plugin])`` and
+``plugin.bind(fabric.strategy)``, saved after one epoch with ``fabric.save``, loaded with ``fabric.load`` into a
+model built from another seed, and trained one more epoch: bitwise the uninterrupted run. Fabric leaves the random
 states to the script, which saves torch's in the state, as Fabric's docs do."""
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def _parts(model: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
 
 
 def _run(entry: Entry, seed: int, epochs: int, load: str | None = None, save: str | None = None) -> dict[str, Any]:
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[OrtCheckpointIO(**entry.plugin)])
+    plugin = OrtCheckpointIO(**entry.plugin)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    plugin.bind(fabric.strategy)
     model = entry.build(seed)
     optimizers, schedulers = _parts(model)
     model, *optimizers = fabric.setup(model, *optimizers)

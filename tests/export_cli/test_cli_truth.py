@@ -141,7 +141,9 @@ def test_inspect_and_verify_of_a_fabric_file_show_no_none(tmp_path: Path) -> Non
     L = pytest.importorskip("lightning")
     from lightning_ort_ckpt.lightning import OrtCheckpointIO
 
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[OrtCheckpointIO()])
+    plugin = OrtCheckpointIO()
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    plugin.bind(fabric.strategy)
     model, optimizer = fabric.setup(*(lambda m: (m, torch.optim.AdamW(m.parameters())))(torch.nn.Linear(3, 2)))
     path = tmp_path / "fabric.ckpt"
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})

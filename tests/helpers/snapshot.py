@@ -31,8 +31,8 @@ _MODULE_HOOKS = ("_global_backward_hooks", "_global_backward_pre_hooks", "_globa
 _HOLD = "lightning_ort_ckpt._lightning._lightning_adapter.CheckpointIOAssignment.release"
 STILL_GLOBAL = {f"{module}.{name}.checkpoint_io" for module, name in _lightning_adapter.STRATEGY_CLASSES} | {
     "weakref finalizers: holds of the checkpoint_io setter wrap"}
-"""What is still wrapped while an ``OrtCheckpointIO`` exists, and the finalizer that unwraps it once none does
-(issue 40, point 1a: not done yet)."""
+"""What is still wrapped while an ``OrtCheckpointIO`` the user made exists unbound, and the finalizer that unwraps
+it once none does (issue 40, point 1a: deprecated, goes in 0.6)."""
 
 
 def open_files() -> tuple[tuple[int, str], ...]:

@@ -1,5 +1,5 @@
-"""``lightning.Fabric(plugins=[OrtCheckpointIO()])`` with real Fabric runs: ``fabric.save`` writes files ORT loads
-and trains from (trainable parameters and AdamW moments named from the module and optimizer in the saved state),
+"""``lightning.Fabric(plugins=[plugin])`` and ``plugin.bind(fabric.strategy)`` with real Fabric runs: ``fabric.save``
+writes files ORT loads and trains from (trainable parameters and AdamW moments named from the module and optimizer in the saved state),
 ``fabric.load`` gives back exactly what was saved (``strict=False`` and partial states too), and Fabric's sharded
 strategies, which take no ``CheckpointIO``, refuse the plugin when the Fabric is made."""
 
@@ -40,7 +40,10 @@ def _trained(fabric: Any, seed: int = 0, steps: int = 3) -> tuple[Any, Any]:
 
 @pytest.fixture
 def fabric() -> Any:
-    return L.Fabric(accelerator="cpu", devices=1, plugins=[OrtCheckpointIO()])
+    plugin = OrtCheckpointIO()
+    made = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    plugin.bind(made.strategy)  # as the guide shows (unbound: deprecated, test_nothing_global.py)
+    return made
 
 
 @pytest.fixture
