@@ -1,8 +1,9 @@
 """Nothing global (issue 40, point 1) in each rank of 2-rank runs (gloo on loopback, launched as users launch them):
 DDP, ModelParallel (FSDP2) and FSDP (FSDP1), sharded saves, sync and async. In each rank's process, a fit with
 Lightning's ``ModelCheckpoint`` first (the process group and torch's and Lightning's first-use state are made then),
-then, with the collector off, the snapshot of ``helpers.snapshot`` before and after a fit of ``ModelCheckpoint`` and
-one of ``OrtCheckpoint`` with its teardown: ours changes nothing the plain one does not (threads, open files and
+then, with the collector off, the snapshot of ``helpers.snapshot`` before and after a fit of ``ModelCheckpoint``, one
+of ``OrtCheckpoint`` and one of ``ModelCheckpoint`` with ``plugins=[OrtCheckpointIO()]`` and ``BindCheckpointIO``
+(the plugin made inside the snapshots), each with its teardown: ours changes nothing the plain one does not (threads, open files and
 sockets, hooks, ``atexit`` callbacks, Lightning's classes). Then, as ``test_nothing_global`` does in one process, what
 is left for the collector once the fits are over (their Trainers let go): no object of ours lies on a reference cycle.
 """
@@ -24,18 +25,21 @@ MAIN = r'''
 import gc
 from pytorch_lightning.callbacks import ModelCheckpoint
 from helpers.snapshot import cyclic_garbage, described, ours_on_cycles, snapshot
+from lightning_ort_ckpt import BindCheckpointIO, OrtCheckpointIO
 from lightning_ort_ckpt.format._store import wait_for_cleanup
 
 
-def one(kind, ours, where):
+def one(kind, name, where):
     pl.seed_everything(0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(32, 8, generator=g)
     y = torch.sin(x).sum(1, keepdim=True)
-    cb = (OrtCheckpoint(where, every_n_train_steps=2, async_save=kind.endswith("-async")) if ours
-          else ModelCheckpoint(where, every_n_train_steps=2))
+    async_save = kind.endswith("-async")
+    callbacks = ([OrtCheckpoint(where, every_n_train_steps=2, async_save=async_save)] if name == "ours"
+                 else [ModelCheckpoint(where, every_n_train_steps=2)] + [BindCheckpointIO()] * (name == "bound"))
+    plugins = [OrtCheckpointIO(async_save=async_save)] if name == "bound" else None
     trainer = pl.Trainer(max_steps=4, strategy="ddp" if kind.startswith("ddp") else strategy(kind, 2), devices=2,
-                         accelerator="cpu", logger=False, callbacks=[cb], num_sanity_val_steps=0,
+                         accelerator="cpu", logger=False, callbacks=callbacks, plugins=plugins, num_sanity_val_steps=0,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     trainer.fit(Net(kind.startswith("mp")), DataLoader(TensorDataset(x, y), batch_size=4))
     wait_for_cleanup()
@@ -47,13 +51,13 @@ out, kinds = sys.argv[1], sys.argv[2].split(",")
 warnings.simplefilter("ignore")
 found = {}
 for kind in kinds:
-    one(kind, False, os.path.join(out, kind, "warm-up"))
+    one(kind, "plain", os.path.join(out, kind, "warm-up"))
     gc.collect()
     gc.disable()
     runs = {}
-    for name in ("plain", "ours"):  # what Lightning's own fit leaves (a device mesh's groups), then ours
+    for name in ("plain", "ours", "bound"):  # what Lightning's own fit leaves (a device mesh's groups), then ours
         before = snapshot()
-        one(kind, name == "ours", os.path.join(out, kind, name))
+        one(kind, name, os.path.join(out, kind, name))
         after = snapshot()
         runs[name] = described(before, after)
         runs[name + " files added"] = len(set(after["open files"]) - set(before["open files"]))
@@ -82,12 +86,15 @@ def differences(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_fit_of_ours_leaves_each_rank_as_it_found_it(differences: list[dict[str, dict[str, Any]]],
                                                        kind: str) -> None:
-    """Ours leaves what a fit with ``ModelCheckpoint`` leaves: nothing, but under ModelParallel the groups of the
+    """Ours (the callback, and the plugin bound by ``BindCheckpointIO``, which lets go of the setter wrap in
+    ``setup``) leaves what a fit with ``ModelCheckpoint`` leaves: nothing, but under ModelParallel the groups of the
     device mesh Lightning makes at every fit (its sockets and pipes)."""
     for rank, found in enumerate(differences):
-        plain, ours = found[kind]["plain"], found[kind]["ours"]
-        assert set(ours) <= set(plain) <= {"open files"}, (kind, rank, ours, plain)
-        assert found[kind]["ours files added"] <= found[kind]["plain files added"], (kind, rank, ours, plain)
+        plain = found[kind]["plain"]
+        assert set(plain) <= {"open files"}, (kind, rank, plain)
+        for name in ("ours", "bound"):
+            assert set(found[kind][name]) <= set(plain), (kind, rank, name, found[kind][name], plain)
+            assert found[kind][name + " files added"] <= found[kind]["plain files added"], (kind, rank, name)
 
 
 @pytest.mark.parametrize("kind", KINDS)
