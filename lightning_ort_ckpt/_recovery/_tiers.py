@@ -87,6 +87,8 @@ class Saver(Protocol):
 class NoTier:
     """Without ``local=``: nothing changes."""
 
+    reads_remote_folders = True  # "last" reads a remote checkpoint folder's metadata for its step
+
     def setup(self, trainer: Any, stage: str) -> None:
         pass
 
@@ -115,6 +117,8 @@ def tier(local: LocalTier | None, extension: str, persistent: str | os.PathLike[
 
 class FastTier:
     """One callback's fast tier: when it saves, which of its files go, and what it holds for "last"."""
+
+    reads_remote_folders = False  # a persistent folder ranks by its name's step: no object of it read for "last"
 
     def __init__(self, options: LocalTier, extension: str, persistent: str | os.PathLike[str] | None) -> None:
         self.options = options
