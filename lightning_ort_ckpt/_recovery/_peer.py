@@ -14,8 +14,8 @@ nothing: the cost stays bounded, and the newest steps are copied.
 At ``setup``, before "last" is read: every rank says (one all-gather) the newest step in its fast folder and the
 newest peer copy it holds; a rank whose partner holds a newer step than its own folder gets it back over the group
 and commits it into its fast folder (:meth:`Peers.restore`), so that "last" then finds it there: nothing of the
-persistent tier is read. Only full-state saves (one file, written by global rank 0: DDP, one device) are copied in
-this version; the sharded strategies' folders are not.
+persistent tier is read. Here, full-state saves (one file, written by global rank 0: DDP, one device, FSDP with
+full state); a sharded strategy's folders: ``_peer_folders``.
 """
 
 from __future__ import annotations

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, BinaryIO
 
-from ..errors import CorruptCheckpointError
+from .._dcp._dcp_folder import METADATA_NAME, read_metadata
+from ..errors import CheckpointError
 from ..format import data_path, open_checkpoint
 from ..format._store import Store
 
@@ -66,11 +68,26 @@ class Wire:
             self._both(chunk, to, None, frm)
         return received
 
+    def copy(self, source: str, target: str) -> None:
+        """The checkpoint file ``source`` (with its ``.data``) committed as ``target`` on this node, checked."""
+        with contextlib.ExitStack() as opened:
+            files = opened_pair(source, opened)
+            sizes = [os.fstat(f.fileno()).st_size for f in files]
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with self.store.writing(target, with_data=len(files) > 1, required_bytes=sum(sizes)) as out:
+                for f, sink in zip(files, (out.main, out.data)):
+                    assert sink is not None
+                    shutil.copyfileobj(f, sink, _CHUNK)
+        self._check(target)
+
     def _check(self, target: str) -> None:
         try:
-            with open_checkpoint(target) as reader:
-                reader.verify()
-        except CorruptCheckpointError:
+            if os.path.basename(target) == METADATA_NAME:  # a sharded folder's metadata, its commit
+                read_metadata(os.path.dirname(target), self.store)
+            else:
+                with open_checkpoint(target) as reader:
+                    reader.verify()
+        except CheckpointError:
             self.store.remove(target)
             raise
 
