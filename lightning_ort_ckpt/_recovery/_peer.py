@@ -11,10 +11,11 @@ the step, maybe none, to its partner and receives its own peer's), taken by ever
 so it cannot deadlock. A copy that falls behind by more than ``keep`` saves finds the file rotated out and sends
 nothing: the cost stays bounded, and the newest steps are copied.
 
-At ``setup``, before "last" is read: every rank says (one all-gather) the newest step in its fast folder and the
-newest peer copy it holds; a rank whose partner holds a newer step than its own folder gets it back over the group
-and commits it into its fast folder (:meth:`Peers.restore`), so that "last" then finds it there: nothing of the
-persistent tier is read. Here, full-state saves (one file, written by global rank 0: DDP, one device, FSDP with
+At ``setup``, before "last" is read: every rank says (one all-gather) which steps its fast folder and its peer
+folders hold; the newest of them is committed in every rank's own fast folder that lacks it, from the rank's own
+copy where it holds one, else over the group from a rank that does (:meth:`Peers.restore`): a replaced node's
+empty folder, and under DDP every node's folder but rank 0's, whose ranks then resume by rank 0's path from their
+own node. "last" finds it there: nothing of the persistent tier is read. Here, full-state saves (one file, written by global rank 0: DDP, one device, FSDP with
 full state); a sharded strategy's folders: ``_peer_folders``.
 """
 
@@ -69,34 +70,71 @@ class Peers:
         folder = self.store.join(self.dirpath, f"{PEER_PREFIX}{self.source}")
         if self.wire.exchange(to=self.partner, frm=self.source, outgoing=mine, folder=folder):
             self._rotate(folder)
+        if self.rank != 0:  # what setup copied here (rank 0's folder rotates with the fast tier's ledger)
+            self._rotate(self.dirpath)
 
     # -- at setup ---------------------------------------------------------------------------------------------
     def restore(self) -> None:
-        """Take back from the partner the copy of a step newer than any in this rank's own fast folder (every rank
-        alike: one all-gather of what each holds, then one exchange)."""
-        own = self._newest(self.dirpath)
-        held = self._newest(self.store.join(self.dirpath, f"{PEER_PREFIX}{self.source}"))
-        reports = self.wire.gather({"own": own and own[0], "held": held and held[0]})
+        """The newest step of any rank's fast folder or copies, committed in every rank's own fast folder that
+        lacks it (a wiped one's; under DDP, every node's but rank 0's, which resume from it by rank 0's path):
+        copied from the rank's own copies where it holds it, else sent by a rank that does (every rank alike: one
+        all-gather of what each holds, then the transfers in one order)."""
+        reports = self.wire.gather(self._holdings())
+        held = [(int(step), name) for report in reports for place in report.values() for step, name in place.items()]
+        if held:
+            step, name = max(held)
+            for src, dst, where in plan(reports, str(step), name, [name]):
+                self.transfer(src, dst, where, name)
 
-        def needs(rank: int) -> bool:
-            copy = reports[partners(rank, self.world_size, *self.layout)[0]]["held"]
-            return copy is not None and (reports[rank]["own"] is None or copy > reports[rank]["own"])
+    def _holdings(self) -> dict[str, dict[str, str]]:
+        """Where this rank holds which step: {"" (its own folder) or a peer folder's name: {step: file name}}."""
+        places = [""] + sorted(p for p in os.listdir(self.dirpath) if p.startswith(PEER_PREFIX))
+        held: dict[str, dict[str, str]] = {}
+        for place in places:
+            folder = self.store.join(self.dirpath, place) if place else self.dirpath
+            held[place] = {str(e.step): os.path.basename(e.path) for e in _registry.committed(
+                _registry.scan(folder, self.store, extension=self.extension))
+                if e.kind is _registry.Kind.FILE and e.step is not None}
+        return held
 
-        outgoing = [(os.path.basename(held[1]), held[1])] if held and needs(self.source) else []
-        self.wire.exchange(to=self.source, frm=self.partner, outgoing=outgoing, folder=self.dirpath)
-
-    def _newest(self, folder: str) -> tuple[int, str] | None:
-        """(step, path) of the newest committed checkpoint file in ``folder``, or None."""
-        if not self.store.is_directory(folder):
-            return None
-        found = [(step, e.path) for e in _registry.committed(_registry.scan(folder, self.store,
-                                                                              extension=self.extension))
-                 if e.kind is _registry.Kind.FILE and (step := e.step) is not None]
-        return max(found) if found else None
+    def transfer(self, src: int, dst: int, where: str, name: str) -> None:
+        """The file ``where`` (relative to ``src``'s fast folder) committed as ``name`` in ``dst``'s: copied on
+        its node, or sent by ``src``."""
+        if src == dst == self.rank:
+            self.wire.copy(self.store.join(self.dirpath, where), self.store.join(self.dirpath, name))
+        elif src == self.rank:
+            self.wire.exchange(to=dst, frm=dst, outgoing=[(name, self.store.join(self.dirpath, where))],
+                               folder=self.dirpath)
+        elif dst == self.rank:
+            self.wire.exchange(to=src, frm=src, outgoing=[], folder=self.dirpath)
 
     def _rotate(self, folder: str) -> None:
-        """A peer folder keeps the newest ``keep`` copies, as the fast tier does."""
+        """A folder of copies keeps the newest ``keep``, as the fast tier does."""
         found = sorted(((e.step if e.step is not None else -1, e.path) for e in _registry.committed(
-            _registry.scan(folder, self.store, extension=self.extension))), reverse=True)
+            _registry.scan(folder, self.store, extension=self.extension)) if e.kind is _registry.Kind.FILE),
+            reverse=True)
         for _, path in found[self.keep:]:
             self.store.remove(path)
+
+
+def plan(reports: list[dict[str, dict[str, Any]]], step: str, unit: str, files: list[str]) -> list[tuple[int, int,
+                                                                                                      str]]:
+    """(from rank, to rank, where the sender holds it: relative to its fast folder) for each of ``files`` of the
+    checkpoint ``unit`` (a file, or a folder) of ``step`` that a rank's own folder lacks, in one order every rank
+    computes alike: from the rank's own copies where it holds them, else from the first rank that holds it.
+    ``reports``: each rank's holdings, {"" or a peer folder: {step: names there (a file's, or a folder's files)}}."""
+    def places(report: dict[str, dict[str, Any]], file: str) -> list[str]:
+        return [place for place, held in sorted(report.items()) if step in held and
+                (file in held[step] if isinstance(held[step], list) else file == held[step])]
+
+    transfers = []
+    for dst, report in enumerate(reports):
+        for file in files:
+            mine = places(report, file)
+            if "" in mine:
+                continue
+            src = dst if mine else next(r for r, other in enumerate(reports) if places(other, file))
+            where = places(reports[src], file)[0]
+            inner = f"{unit}/{file}" if unit != file else file
+            transfers.append((src, dst, f"{where}/{inner}" if where else inner))
+    return transfers

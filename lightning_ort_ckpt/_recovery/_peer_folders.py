@@ -27,7 +27,7 @@ import os
 import re
 from typing import Any
 
-from ._peer import PEER_PREFIX, Peers
+from ._peer import PEER_PREFIX, Peers, plan
 from .._dcp._dcp_folder import METADATA_NAME, read_metadata
 from ..errors import CheckpointError
 
@@ -62,59 +62,43 @@ class FolderPeers(Peers):
     # -- at setup ---------------------------------------------------------------------------------------------
     def restore(self) -> None:
         """The newest step held whole among every rank's folders, assembled in every rank's own (module doc)."""
-        reports = self.wire.gather(self._holdings())
+        reports = self.wire.gather(self._folders())
+        held = [r["held"] for r in reports]
         chosen = _newest_whole(reports)
-        self._drop_unmakeable(reports, chosen)
+        self._drop_unmakeable(reports[self.rank], chosen)
         if chosen is None:
             return
         step, files = chosen
-        name = _folder_name(reports, step)
-        target = self.store.join(self.dirpath, name)
+        name = next(r["names"][str(step)] for r in reports if str(step) in r["names"])
         for batch in (files, [METADATA_NAME]):  # shards first, then the metadata: the folder's commit
-            for src, dst, where in _transfers(reports, step, batch):
-                self._transfer(src, dst, where, target, name)
+            for src, dst, where in plan(held, str(step), name, batch):
+                self.transfer(src, dst, where, f"{name}/{os.path.basename(where)}")
 
-    def _holdings(self) -> dict[str, Any]:
-        """What this rank holds, by step: its own folder's files, each peer folder's, and the shard files the
-        metadata names where it holds one."""
-        report: dict[str, Any] = {"own": {}, "peers": {}, "names": {}, "needs": {}}
-        self._list(self.dirpath, report["own"], report)
-        with contextlib.suppress(FileNotFoundError):
-            for sub in sorted(os.listdir(self.dirpath)):
-                if sub.startswith(PEER_PREFIX):
-                    report["peers"][sub] = {}
-                    self._list(os.path.join(self.dirpath, sub), report["peers"][sub], report)
-        return report
-
-    def _list(self, folder: str, into: dict[str, list[str]], report: dict[str, Any]) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            for sub in os.listdir(folder):
+    def _folders(self) -> dict[str, Any]:
+        """What this rank holds: {"held": {"" (its own folder) or a peer folder: {step: its folder's files}},
+        "names": {step: the folder's name}, "needs": {step: the shard files its metadata names, where it has one}}."""
+        report: dict[str, Any] = {"held": {}, "names": {}, "needs": {}}
+        places = [""] + sorted(p for p in os.listdir(self.dirpath) if p.startswith(PEER_PREFIX))
+        for place in places:
+            folder = os.path.join(self.dirpath, place) if place else self.dirpath
+            report["held"][place] = {}
+            for sub in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
                 step, path = _step(sub), os.path.join(folder, sub)
                 if step is None or not sub.endswith(self.extension) or not os.path.isdir(path):
                     continue
                 names = sorted(os.listdir(path))
-                into[str(step)] = names
-                report["names"][str(step)] = sub
+                report["held"][place][str(step)], report["names"][str(step)] = names, sub
                 if METADATA_NAME in names and str(step) not in report["needs"]:
                     with contextlib.suppress(CheckpointError, OSError):
                         report["needs"][str(step)] = sorted(read_metadata(path, self.store)["files"])
+        return report
 
-    def _transfer(self, src: int, dst: int, where: str, target: str, name: str) -> None:
-        """One file of the chosen step into ``dst``'s own folder: copied on its node, or sent by ``src``."""
-        base, where = os.path.basename(where), os.path.join(self.dirpath, where)
-        if src == dst == self.rank:
-            self.wire.copy(where, self.store.join(target, base))
-        elif src == self.rank:
-            self.wire.exchange(to=dst, frm=dst, outgoing=[(f"{name}/{base}", where)], folder=self.dirpath)
-        elif dst == self.rank:
-            self.wire.exchange(to=src, frm=src, outgoing=[], folder=self.dirpath)
-
-    def _drop_unmakeable(self, reports: list[dict[str, Any]], chosen: tuple[int, list[str]] | None) -> None:
+    def _drop_unmakeable(self, mine: dict[str, Any], chosen: tuple[int, list[str]] | None) -> None:
         """This rank's committed folders newer than the chosen step: no rank can make them whole."""
         newest = chosen[0] if chosen is not None else -1
-        for step, names in reports[self.rank]["own"].items():
+        for step, names in mine["held"][""].items():
             if int(step) > newest and METADATA_NAME in names:
-                self.store.remove(self.store.join(self.dirpath, reports[self.rank]["names"][step]))
+                self.store.remove(self.store.join(self.dirpath, mine["names"][step]))
 
     def _rotate_steps(self, folder: str, upto: int) -> None:
         """Best effort: of ``folder``'s step folders up to step ``upto``, the newest ``keep`` stay (a newer one is
@@ -132,43 +116,11 @@ def _step(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _where(report: dict[str, Any], step: str, file: str) -> list[str]:
-    """The places (relative to the rank's fast folder) where ``report``'s rank holds ``file`` of ``step``."""
-    places = []
-    if file in report["own"].get(step, []):
-        places.append("")
-    places += [peer for peer, steps in sorted(report["peers"].items()) if file in steps.get(step, [])]
-    return places
-
-
 def _newest_whole(reports: list[dict[str, Any]]) -> tuple[int, list[str]] | None:
     """(step, its shard files) of the newest step whose metadata and every shard file it names some rank holds."""
-    steps = sorted({int(s) for r in reports for s in r["needs"]}, reverse=True)
-    for step in steps:
+    for step in sorted({int(s) for r in reports for s in r["needs"]}, reverse=True):
         files = next(r["needs"][str(step)] for r in reports if str(step) in r["needs"])
-        if all(any(_where(r, str(step), f) for r in reports) for f in (*files, METADATA_NAME)):
+        if all(any(f in names.get(str(step), []) for r in reports for names in r["held"].values())
+               for f in (*files, METADATA_NAME)):
             return step, files
     return None
-
-
-def _folder_name(reports: list[dict[str, Any]], step: int) -> str:
-    return next(r["names"][str(step)] for r in reports if str(step) in r["names"])
-
-
-def _transfers(reports: list[dict[str, Any]], step: int, files: list[str]) -> list[tuple[int, int, str]]:
-    """(from rank, to rank, where the sender holds it: a path relative to its fast folder) for every file of
-    ``files`` a rank's own folder lacks, in one order every rank computes alike: from the rank's own peer folder
-    where it holds one, else from the first rank that holds it."""
-    plan = []
-    name = _folder_name(reports, step)
-    for dst, report in enumerate(reports):
-        for f in files:
-            if f in report["own"].get(str(step), []):
-                continue
-            local = _where(report, str(step), f)
-            if local:
-                plan.append((dst, dst, os.path.join(local[0], name, f)))
-                continue
-            src = next(r for r, rep in enumerate(reports) if _where(rep, str(step), f))
-            plan.append((src, dst, os.path.join(_where(reports[src], str(step), f)[0], name, f)))
-    return plan
