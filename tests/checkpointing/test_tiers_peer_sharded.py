@@ -158,3 +158,46 @@ def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the
     assert set(_listing(fast0)) == set(_listing(fast1)) == {"step=9.ckpt", "step=10.ckpt"}
     assert set(_listing(fast1 / "peer-of-rank0")) == set(_listing(fast0 / "peer-of-rank1")) == \
         {"step=9.ckpt", "step=10.ckpt"}
+
+
+# -- the plan of a resume's assembly: pure functions of what every rank reported ----------------------------------
+META = "checkpoint.ort-meta"
+
+
+def _report(held: dict[str, dict[str, list[str]]], needs: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    return {"held": held, "names": {s: f"step={s}.ckpt" for place in held.values() for s in place},
+            "needs": needs or {}}
+
+
+def test_the_newest_step_held_whole_is_chosen_and_each_missing_file_comes_from_the_nearest_holder() -> None:
+    from lightning_ort_ckpt._recovery._peer import plan
+    from lightning_ort_ckpt._recovery._peer_folders import _newest_whole
+
+    shards = ["shard-a-00000.odtc", "shard-a-00001.odtc"]
+    later = ["shard-b-00000.odtc", "shard-b-00001.odtc"]
+    # node 0 replaced (empty); node 1: its own shards of steps 5 and 6, and node 0's (with the metadata) of step 5
+    # only: step 6's copy of node 0's shard never arrived
+    reports = [_report({"": {}}),
+               _report({"": {"5": [shards[1]], "6": [later[1]]}, "peer-of-rank0": {"5": [META, shards[0]]}},
+                       {"5": shards})]
+    assert _newest_whole(reports) == (5, shards)
+    held = [r["held"] for r in reports]
+    assert plan(held, "5", "step=5.ckpt", shards) == [
+        (1, 0, "peer-of-rank0/step=5.ckpt/" + shards[0]),  # over the group, from node 1's copy
+        (1, 0, "step=5.ckpt/" + shards[1]),  # over the group, from node 1's own folder
+        (1, 1, "peer-of-rank0/step=5.ckpt/" + shards[0]),  # on node 1, from its own copy
+    ]
+    assert plan(held, "5", "step=5.ckpt", [META]) == [(1, 0, f"peer-of-rank0/step=5.ckpt/{META}"),
+                                                      (1, 1, f"peer-of-rank0/step=5.ckpt/{META}")]
+    # a step whose metadata no rank holds, or one of whose shards no rank holds, is never chosen
+    assert _newest_whole([_report({"": {"6": later}})]) is None
+    assert _newest_whole([_report({"": {"6": [META, later[0]]}}, {"6": later})]) is None
+
+
+def test_a_file_checkpoint_is_planned_to_every_rank_that_lacks_it() -> None:
+    from lightning_ort_ckpt._recovery._peer import plan
+
+    # DDP: rank 0 wrote step 6; rank 1 holds its copy; rank 2 (a third node) holds nothing
+    held = [{"": {"6": "step=6.ckpt"}}, {"": {}, "peer-of-rank0": {"6": "step=6.ckpt"}}, {"": {}}]
+    assert plan(held, "6", "step=6.ckpt", ["step=6.ckpt"]) == [(1, 1, "peer-of-rank0/step=6.ckpt"),
+                                                               (0, 2, "step=6.ckpt")]
