@@ -394,7 +394,8 @@ def _resolve_last(callback: OrtCheckpointMixin, trainer: Any, at_setup: bool) ->
     name = callback.CHECKPOINT_NAME_LAST
     entries = _registry.scan(directory, callback._store(directory), extension=callback.FILE_EXTENSION,
                              last_name=name,  # sub-folders
-                             recursive="/" in (callback.filename or "") + name) if directory else []
+                             recursive="/" in (callback.filename or "") + name,
+                             remote_metadata=callback._tier.reads_remote_folders) if directory else []
     rank_zero = trainer.global_rank == 0
     if rank_zero and not at_setup:
         callback._preservation.take_half(entries)

@@ -13,7 +13,7 @@ the fast tier, ``dirpath`` and the SLURM ``hpc_ckpt_N.ckpt`` files of the Traine
 newest step first, the fast tier first among equal steps; ``_resume`` then reads them in that order until one
 resumes, so a valid fast tier is the only one read, and a damaged or wiped one falls back to the next tier.
 With ``peer=True`` each fast save is also copied to a partner rank's fast folder, and a wiped folder is filled again
-from there at ``setup``, before "last" reads anything (``_peer``).
+from there at ``setup``, before "last" reads anything (``_peer``; under a sharded strategy, ``_peer_folders``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .._dcp import _strategies
 from .._lightning import _lightning_adapter
 from .._restore import _registry
 from ._peer import Peers
+from ._peer_folders import FolderPeers
 from .._policies._retention import Ledger
 from ..errors import CheckpointConfigError, CheckpointWarning
 from ..format._store import Store, local_path, store_for
@@ -47,7 +48,7 @@ class LocalTier:
         every_n_train_steps: save there every this many optimizer steps (1: every step).
         keep: how many of its newest checkpoints it keeps (older ones are deleted once a newer one is durable).
         peer: also copy each save to a partner rank's fast folder (on another node where there is one), from where
-            a rank whose folder was wiped takes it back (``_peer``). Full-state saves only (DDP, one device).
+            a rank whose folder was wiped takes it back (``_peer``; a sharded strategy's folders: ``_peer_folders``).
     """
 
     dirpath: str | os.PathLike[str]
@@ -87,6 +88,8 @@ class Saver(Protocol):
 class NoTier:
     """Without ``local=``: nothing changes."""
 
+    reads_remote_folders = True  # "last" reads a remote checkpoint folder's metadata for its step
+
     def setup(self, trainer: Any, stage: str) -> None:
         pass
 
@@ -116,6 +119,8 @@ def tier(local: LocalTier | None, extension: str, persistent: str | os.PathLike[
 class FastTier:
     """One callback's fast tier: when it saves, which of its files go, and what it holds for "last"."""
 
+    reads_remote_folders = False  # a persistent folder ranks by its name's step: no object of it read for "last"
+
     def __init__(self, options: LocalTier, extension: str, persistent: str | os.PathLike[str] | None) -> None:
         self.options = options
         self.dirpath = os.path.abspath(local_path(options.dirpath))
@@ -137,10 +142,8 @@ class FastTier:
         os.makedirs(self.dirpath, exist_ok=True)
         self.ledger, self.saved_step = Ledger(self.options.keep), None
         if self.reads_last_at_setup(trainer):
-            if _strategies.kind(trainer.strategy) is not None:
-                raise CheckpointConfigError("LocalTier(peer=True) copies full-state saves (DDP, one device) in this "
-                                            "version, not the folders of a sharded strategy: pass peer=False")
-            self.peers = Peers(self.dirpath, self.store, self.options.keep, self.extension, trainer)
+            kind = FolderPeers if _strategies.kind(trainer.strategy) == "sharded" else Peers  # a folder, or a file
+            self.peers = kind(self.dirpath, self.store, self.options.keep, self.extension, trainer)
             self.peers.restore()
         elif self.options.peer and trainer.is_global_zero:
             warnings.warn("LocalTier(peer=True) with one process: there is no partner rank to copy to; the fast "

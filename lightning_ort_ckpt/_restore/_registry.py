@@ -58,13 +58,15 @@ class Entry:
 
 
 def scan(directory: str, store: Store, *, extension: str = ".ckpt", recursive: bool = False, last_name: str = "last",
-         sizes: bool = False) -> list[Entry]:
+         sizes: bool = False, remote_metadata: bool = True) -> list[Entry]:
     """Every visible entry of ``directory`` (and below it where ``recursive``; never inside a checkpoint folder):
     committed checkpoints newest first, then half-written ones, then foreign ones. ``store`` is ``directory``'s,
-    built by the caller (every file and folder is read through it)."""
+    built by the caller (every file and folder is read through it). ``remote_metadata=False``: a folder on a
+    remote store is listed without a download, its step unknown (as a remote file's), for a caller that ranks it
+    by its name (the tiers: a valid fast tier reads no object of the persistent one)."""
     folders = store.list_folders(directory, recursive)
     checkpoints = [d for d in folders if d.endswith(extension) and not _inside_any(d, folders, extension)]
-    entries = [_folder(store, d) for d in checkpoints]
+    entries = [_folder(store, d, remote_metadata or store.local) for d in checkpoints]
     for path in store.list_files(directory, recursive):
         if _inside_any(path, checkpoints, extension) or (path.endswith(DATA_SUFFIX)
                                                          and path[:-len(DATA_SUFFIX)].endswith(extension)):
@@ -101,10 +103,12 @@ def _inside_any(path: str, folders: list[str], extension: str) -> bool:
                for sep in ("/", os.sep))
 
 
-def _folder(store: Store, path: str) -> Entry:
+def _folder(store: Store, path: str, read: bool = True) -> Entry:
     meta = store.join(path, FOLDER_COMMIT_NAME)
     if not store.exists(meta):
         return Entry(path, Kind.FOLDER, State.HALF, saved=store.modified(path))
+    if not read:  # its metadata checked when it loads
+        return Entry(path, Kind.FOLDER, State.COMMITTED, saved=store.modified(meta))
     from .._dcp._dcp_folder import read_metadata  # a sharded checkpoint's metadata document, checked
 
     step = epoch = problem = None

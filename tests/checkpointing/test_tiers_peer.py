@@ -9,8 +9,7 @@ group, resumes from it in its own fast folder, and ends bit for bit where an uni
 without a single GET of an object from the persistent store; so does a resume with rank 1's folder emptied instead
 (it held only rank 0's copies, which it holds again after). With ``peer=False`` no process group is made, and none
 made for the copies, nor any thread, outlives the fit. With one process there is no partner: a warning, and the
-fast tier saves as without peer copies; a sharded strategy (ModelParallel) with ``peer=True`` is refused at setup on
-every rank.
+fast tier saves as without peer copies. (A sharded strategy's folders: test_tiers_peer_sharded.py.)
 """
 
 from __future__ import annotations
@@ -79,38 +78,11 @@ def fit(name, max_steps, peer=None, ckpt_path=None):
                    "new_threads": sorted({t.name for t in threading.enumerate()} - threads)}, f)
 
 
-class Sharded(Net):
-    def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-        for m in (self.l1, self.l2, self):
-            fully_shard(m, mesh=self.device_mesh["data_parallel"])
-
-
-def refused_under_a_sharded_strategy():
-    from pytorch_lightning.strategies import ModelParallelStrategy
-    from lightning_ort_ckpt.errors import CheckpointConfigError
-
-    callback = OrtCheckpoint(os.path.join(OUT, "sharded"),
-                             local=LocalTier(os.path.join(OUT, f"sharded-fast{RANK}"), peer=True))
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=2, logger=False, callbacks=[callback],
-                         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                         enable_progress_bar=False, enable_model_summary=False)
-    x = torch.randn(16, 8)
-    try:
-        trainer.fit(Sharded(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4))
-        error = None
-    except CheckpointConfigError as e:
-        error = str(e)
-    with open(os.path.join(OUT, f"sharded.rank{RANK}.json"), "w") as f:
-        json.dump({"error": error, "groups_after": groups()}, f)
-
-
 warnings.simplefilter("ignore")
 if PHASE == "first":
     fit("reference", 8)
     fit("off-fit", 6, peer=False)
     fit("fast-fit", 6, peer=True)
-    refused_under_a_sharded_strategy()
 elif PHASE == "resume":
     fit("fast-resume", 8, peer=True, ckpt_path="last")
     fit("fast-again", 10, peer=True, ckpt_path="last")  # nothing wiped: each rank's folder as it was left
@@ -163,9 +135,6 @@ def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_st
         assert on["new_threads"] == []  # (the first fit on S3, peer off, started fsspec's event loop thread)
     assert sorted(p.name for p in (tmp_path / "off0").iterdir()) == ["step=5.ckpt", "step=6.ckpt"]
     assert list((tmp_path / "off1").iterdir()) == []  # rank 1 writes nothing without peer copies
-    for rank in (0, 1):  # a sharded strategy's folders are not copied: refused on every rank, at setup
-        sharded = record(tmp_path, "sharded", rank)
-        assert "LocalTier(peer=True) copies full-state saves" in sharded["error"], sharded
 
     # (b) rank 0's node replaced: an empty fast folder. "last" takes step 6 back from rank 1, reading no object
     for path in fast0.iterdir():
@@ -209,3 +178,97 @@ def test_one_process_warns_and_saves_as_without_peer_copies(tmp_path: Path) -> N
     with pytest.warns(CheckpointWarning, match="no partner rank"):
         fit(OrtCheckpoint(tmp_path / "persistent", every_n_train_steps=4, save_top_k=-1, local=tier), 2)
     assert files_after_fit(fast) == {"step=6.ckpt", "step=8.ckpt"}  # and no peer folder
+
+
+NODES_SCRIPT = r'''
+import json, os, shutil, sys, warnings
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_ort_ckpt import LocalTier, OrtCheckpoint
+
+OUT, PHASE, ENDPOINT, BUCKET = sys.argv[1:5]
+NODE = int(os.environ["NODE_RANK"])
+FAST = "/proc/self/cwd/fast"  # one path on every node, each node's own folder
+OPTIONS = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": ENDPOINT}}
+
+''' + DDP_NET + r'''
+
+class Record(pl.Callback):
+    def __init__(self):
+        self.seen, self.weights = {}, {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen.update(start=trainer.global_step, ckpt_path=trainer.ckpt_path and str(trainer.ckpt_path))
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step in (8, 10):
+            self.weights[trainer.global_step] = {k: v.flatten().tolist() for k, v in pl_module.state_dict().items()}
+
+
+def fit(name, max_steps, peer=None, ckpt_path=None):
+    pl.seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    record = Record()
+    callbacks = [record]
+    if peer is not None:
+        callbacks.append(OrtCheckpoint(f"s3://{BUCKET}/run", every_n_train_steps=4, save_top_k=-1, async_save=True,
+                                       storage_options=OPTIONS,
+                                       local=LocalTier(FAST, every_n_train_steps=1, keep=2, peer=peer)))
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, num_nodes=2, strategy="ddp",
+                         logger=False, default_root_dir=OUT, callbacks=callbacks, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         enable_checkpointing=peer is not None)
+    trainer.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4), ckpt_path=ckpt_path)
+    with open(os.path.join(OUT, f"{name}.rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({**record.seen, "weights": record.weights, "end": trainer.global_step,
+                   "fast": sorted(os.listdir(FAST)) if os.path.isdir(FAST) else []}, f)
+
+
+warnings.simplefilter("ignore")
+if PHASE == "first":
+    fit("nodes-reference", 10)
+    fit("nodes-fit", 6, peer=True)
+else:
+    fit("nodes-resume", 8, peer=True, ckpt_path="last")
+    if NODE == 0:  # node 0 replaced: its fast folder empty
+        shutil.rmtree(FAST)
+    fit("nodes-replaced", 10, peer=True, ckpt_path="last")
+'''
+
+
+def test_ddp_across_two_nodes_resumes_each_node_from_its_own_fast_folder(tmp_path: Path, counted: Any) -> None:
+    """DDP, two simulated nodes (one process each, a working directory each, the fast tier at one path that is each
+    node's own folder, as ``test_tiers_peer_sharded.py`` launches them). Rank 0 alone writes the fast tier; node 1
+    holds copies. At ``setup`` the newest step is committed in node 1's own folder from its copy, so that each node
+    resumes from its own folder by the one path rank 0 chose; after node 0 is replaced, it takes the step back from
+    node 1. Both resumes are bit for bit the uninterrupted fit, and read no object of the persistent store."""
+    from helpers.launching import launch_nodes
+
+    proxy = counted
+    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": proxy.url}}
+    bucket = f"peer-nodes-{os.getpid()}-{id(tmp_path) % 100000}"
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    script = tmp_path / "train.py"
+    script.write_text(NODES_SCRIPT)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    launch_nodes(script, [str(tmp_path), "first", proxy.url, bucket], nodes, "the DDP fits on two nodes", 900)
+    fast0, fast1 = nodes[0] / "fast", nodes[1] / "fast"
+    assert sorted(p.name for p in fast0.iterdir()) == ["step=5.ckpt", "step=6.ckpt"]
+    assert sorted(p.name for p in fast1.iterdir()) == ["peer-of-rank0"]  # node 1 wrote none, holds copies
+
+    proxy.requests.clear()
+    launch_nodes(script, [str(tmp_path), "resume", proxy.url, bucket], nodes, "the DDP resumes on two nodes", 900)
+    assert _object_reads(proxy.requests) == [], proxy.requests
+    for rank in (0, 1):
+        reference = record(tmp_path, "nodes-reference", rank)
+        resumed, replaced = record(tmp_path, "nodes-resume", rank), record(tmp_path, "nodes-replaced", rank)
+        assert (resumed["start"], resumed["ckpt_path"], resumed["end"]) == (6, "/proc/self/cwd/fast/step=6.ckpt", 8)
+        assert resumed["weights"]["8"] == reference["weights"]["8"]  # bit for bit
+        assert (replaced["start"], replaced["ckpt_path"], replaced["end"]) == \
+            (8, "/proc/self/cwd/fast/step=8.ckpt", 10)
+        assert replaced["weights"]["10"] == reference["weights"]["10"]
+    assert "step=6.ckpt" in record(tmp_path, "nodes-resume", 1)["fast"]  # node 1's own copy of the step resumed
+    assert sorted(p.name for p in (fast1 / "peer-of-rank0").iterdir()) == ["step=10.ckpt", "step=9.ckpt"]

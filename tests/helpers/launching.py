@@ -93,3 +93,38 @@ def launch_ranks(script: Path, args: list[str], world_size: int, timeout: float,
                 p.kill()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
+
+
+def launch_nodes(script: Path, args: list[str], folders: list[Path], what: str, timeout: float,
+                 **extra_env: str) -> None:
+    """Run ``script`` once per simulated node, one process each (``devices=1``), as a cluster launcher starts them:
+    ``NODE_RANK``, ``LOCAL_RANK=0`` and ``WORLD_SIZE`` in the environment, which Lightning reads, so that it starts
+    no process itself; node ``n`` runs in ``folders[n]``, its working directory: a path through ``/proc/self/cwd``
+    is one path on every node and a folder of each node's own, as a node-local disk is. Fails the test with a
+    node's output if one does not end within ``timeout`` seconds or exits non-zero."""
+    port = free_port()
+    procs = []
+    for node, folder in enumerate(folders):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node),
+               "LOCAL_RANK": "0", "WORLD_SIZE": str(len(folders)), "PYTHONWARNINGS": "ignore",
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+               **extra_env}
+        for name in ("GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
+            env.pop(name, None)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder.parent / f"{folder.name}.log", "w") as log:  # a file: no pipe fills while a node waits
+            procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=str(folder),
+                                          stdout=log, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what}: a node did not end within {timeout:.0f} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, folder in zip(procs, folders):
+        log = (folder.parent / f"{folder.name}.log").read_text(errors="replace")
+        assert p.returncode == 0, f"{what}, node {folders.index(folder)}:\n{log[-6000:]}"
