@@ -113,7 +113,7 @@ class OrtCheckpointIOMixin:
         self._fabric: _fabric.FabricSaves | None = None  # the saves of the Fabric strategy this plugin serves
         self._attachment: _strategies.Attachment | None = None  # how a sharded strategy is served (``attach``)
         self._unwrap: Callable[[], None] | None = None  # what ``teardown`` undoes of it
-        self._held: tuple[str, Any] | None = None  # a file "last" resolution read already: (path, what it holds)
+        self._held: tuple[str, Any, str] | None = None  # what "last" resolution read: (path, what, read from)
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
         self._reentry = _signals.Reentry()  # its calls in progress: a save in a signal handler waits for them
         self._promotion: Callable[[str], str | None] | None = None  # where a save goes first (_tiers, _promotion)
@@ -194,6 +194,10 @@ class OrtCheckpointIOMixin:
         strategy = self._owner_strategy()
         if found is None:
             found = read_contents(path, store)
+        elif held is not None and held[2] != path:  # rank 0's choice, for this rank's: the Trainer names it
+            path = held[2]
+            if strategy is not None and _lightning_adapter.fitting(strategy):
+                _lightning_adapter.set_resumed_path(_lightning_adapter.trainer_of(strategy.lightning_module), path)
         checkpoint = to_lightning(found, path, strategy) if isinstance(found, CheckpointContents) else found
         return _fabric.fabric_state(map_location_of(self.loaded(checkpoint, path), map_location))
 
@@ -211,9 +215,11 @@ class OrtCheckpointIOMixin:
         self._train_start.resume_from(checkpoint, path, trainer, self)
         return checkpoint
 
-    def hold(self, path: str, found: Any) -> None:
-        """What resolving ``ckpt_path="last"`` read from ``path``: the load that follows takes it, not a re-read."""
-        self._held = (path, found)
+    def hold(self, path: str, found: Any, source: str | None = None) -> None:
+        """What resolving ``ckpt_path="last"`` read from ``source`` (``path`` itself by default; another rank's choice
+        where this rank's listing chose ``path``): the load of ``path`` that follows takes it, not a re-read, and the
+        Trainer's ``ckpt_path`` names ``source``."""
+        self._held = (path, found, source if source is not None else path)
 
     def restore_random_states(self, trainer: Any) -> None:
         """Restore the random states of the checkpoint this fit resumed from, where the uninterrupted run had them:

@@ -35,7 +35,7 @@ default), or start from scratch (an explicit opt-in)."""
 class Holder(Protocol):
     """The plugin, as "last" resolution hands it what it read."""
 
-    def hold(self, path: str, found: Any) -> None: ...
+    def hold(self, path: str, found: Any, source: str | None = None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def adopt(mine: LastChoice | None, agreed: LastChoice | None, io: Holder, store_
         found = resumable(agreed.path, store_of(agreed.path))
     except (CheckpointError, OSError):
         return False
-    io.hold(mine.path, found)
+    io.hold(mine.path, found, agreed.path)
     return True
 
 

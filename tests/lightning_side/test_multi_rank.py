@@ -194,7 +194,8 @@ def test_shared_dirpath_resumes_from_last_read_once_by_rank_zero(first: Path) ->
 
 def test_rank_one_loads_the_file_rank_zero_fell_back_to(first: Path) -> None:
     """The newest file is damaged: rank 0 reads it, warns and resumes from the next newest; rank 1 never reads the
-    damaged file (it resolves nothing itself) and loads rank 0's choice."""
+    damaged file (it resolves nothing itself) and loads rank 0's choice, which both Trainers name as their
+    ``ckpt_path``."""
     directory = first / "damaged"
     shutil.copytree(first / "first", directory, symlinks=True)
     for name in ("last.ckpt", "last.ckpt.data"):
@@ -210,7 +211,7 @@ def test_rank_one_loads_the_file_rank_zero_fell_back_to(first: Path) -> None:
     ranks, _ = _launch(first, "fell-back", str(directory), 6, "last")
     assert ranks[0]["reads"][:2] == [_step_file(4), _step_file(2)], ranks[0]["reads"]
     assert ranks[1]["reads"] == [_step_file(2)], ranks[1]["reads"]
-    assert os.path.basename(ranks[0]["ckpt_path"]) == _step_file(2)
+    assert [os.path.basename(r["ckpt_path"]) for r in ranks] == [_step_file(2)] * 2  # each Trainer names it
     assert [r["start_step"] for r in ranks] == [2, 2] and [r["end_step"] for r in ranks] == [6, 6]
     for r in ranks:
         assert r["start_weights"] == _weights(first / "first" / _step_file(2)), r["node"]
