@@ -142,6 +142,17 @@ class Steps:
             self._read(min(1.0, max(0.0, deadline - time.monotonic())))
         return max(self.newest) >= step
 
+    def quiet(self, seconds: float, deadline: float) -> bool:
+        """Reads until every fit ended (True), or none reported a step for ``seconds`` or the deadline passed
+        (False: a fit is stuck)."""
+        last = time.monotonic()
+        while self._open and time.monotonic() - last < seconds and time.monotonic() < deadline:
+            before = list(self.newest)
+            self._read(min(1.0, seconds))
+            if self.newest != before:
+                last = time.monotonic()
+        return not self._open
+
     def close(self, deadline: float) -> bool:
         """Reads what the fits reported before they ended, then closes the pipes; False if one was still open at
         the deadline."""

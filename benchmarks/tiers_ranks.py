@@ -13,7 +13,11 @@ steps, ``OrtCheckpoint(dirpath, every 20 steps, local=LocalTier(fast folder, eve
 trial drew, after a random 0-30 ms more, the parent SIGKILLs both ranks (a scheduler ending the job: no handler runs),
 then forks 2 new ranks that run ``fit(ckpt_path="last")`` and say the step each resumed from (both must agree). Lost
 steps = the last step both ranks reported finished - the step resumed from (a rank may have finished one step more
-than it reported, so the true loss can be one more). Only whole-job kills are run (not one rank first).
+than it reported, so the true loss can be one more).
+
+``--one-rank-first STUCK_S``: a rank drawn at random is killed first (a node lost), and the other once it ended by
+itself (gloo sees its partner gone) or reported no step for ``STUCK_S`` seconds (stuck in a collective), as a
+scheduler kills what is left of a job; counted in "survivor ended / stuck".
 
 Every wait is bounded (``--timeout`` seconds a phase): a fit that does not reach its kill step, or a resume that does
 not end, is killed and counted as a hang; a resume that fails or whose ranks disagree is counted as failed.
@@ -117,35 +121,45 @@ class Trial:
     finished: int = -1  # the last step both ranks reported finished
     resumed: int = -1  # the step both ranks resumed from
     what: str = ""
+    survivor: str = ""  # a rank killed first: its partner "ended" by itself or was killed "stuck"
 
 
-def one_kill(root: str, strategy: str, async_save: bool, rng: random.Random, timeout: float) -> Trial:
-    kill_at = rng.randint(3, KILL_STEPS - 5)
+def one_kill(root: str, strategy: str, async_save: bool, rng: random.Random, timeout: float,
+             stuck: float | None = None) -> Trial:
+    """A trial; with ``stuck``, one rank (drawn at random) is killed first, the other once it ended by itself or
+    reported no step for ``stuck`` seconds (``Trial.survivor``)."""
+    kill_at, first = rng.randint(3, KILL_STEPS - 5), rng.randrange(WORLD_SIZE)
     pids, reads = in_ranks(lambda fd: _fit(root, strategy, async_save, KILL_STEPS, fd))
     steps = Steps(reads)
     reached = steps.until(kill_at, time.monotonic() + timeout)
     time.sleep(rng.uniform(0, 0.03))
+    survivor = ""
+    if stuck is not None and reached:
+        os.kill(pids[first], signal.SIGKILL)
+        survivor = "ended" if steps.quiet(stuck, time.monotonic() + timeout) else "stuck"
     for pid in pids:  # the whole job, as a scheduler kills it
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     steps.close(time.monotonic() + timeout)
     statuses = _end(pids)
     if not reached:
         outcome = "hang" if all(os.WIFSIGNALED(s) for s in statuses) else "failed"
         return Trial(outcome, what=f"training reached {steps.newest} of {kill_at}, exits {statuses}")
-    finished = min(steps.newest)
+    finished = min(steps.newest)  # (a survivor reports no step past the one its killed partner stopped at)
     pids, reads = in_ranks(lambda fd: _fit(root, strategy, False, 0, fd, ckpt_path="last"))
     resumed = Steps(reads)
     ended = resumed.close(time.monotonic() + timeout)
     statuses = _end(pids)
     if not ended:
-        return Trial("hang", finished, what=f"resume: {resumed.newest}")
+        return Trial("hang", finished, what=f"resume: {resumed.newest}", survivor=survivor)
     if any(statuses) or len(set(resumed.newest)) != 1:
-        return Trial("failed", finished, what=f"resume: steps {resumed.newest}, exits {statuses}")
-    # Reports wrote step 0 at no batch (max_steps=0), then the step it resumed from
-    return Trial("resumed", finished, resumed.newest[0])
+        return Trial("failed", finished, what=f"resume: steps {resumed.newest}, exits {statuses}", survivor=survivor)
+    return Trial("resumed", finished, resumed.newest[0], survivor=survivor)
 
 
-def lost_work(kills: int, strategies: list[str], seed: int, timeout: float) -> None:
+def lost_work(kills: int, strategies: list[str], seed: int, timeout: float, stuck: float | None) -> None:
     results: dict[tuple[str, bool], list[Trial]] = {}
     for strategy in strategies:
         rng = random.Random(seed)
@@ -154,26 +168,29 @@ def lost_work(kills: int, strategies: list[str], seed: int, timeout: float) -> N
             root = tempfile.mkdtemp(prefix="tiers-ranks-kill-")
             started = time.monotonic()
             try:
-                got = one_kill(root, strategy, async_save, rng, timeout)
+                got = one_kill(root, strategy, async_save, rng, timeout, stuck)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
             results.setdefault((strategy, async_save), []).append(got)
             print(f"{strategy} {'async' if async_save else 'sync'} #{trial}: {got.outcome} {got.finished}->"
-                  f"{got.resumed} {got.what} ({time.monotonic() - started:.1f} s, load "
+                  f"{got.resumed} {got.survivor} {got.what} ({time.monotonic() - started:.1f} s, load "
                   f"{os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
-    print(f"\n## Lost work per SIGKILL of a 2-rank job ({kills} kills per strategy, fast tier every step, keep 2; "
-          f"persistent every 20 steps)\n")
-    print("| strategy | saves | kills | steps lost: mean | max | from scratch | hangs | failed | "
-          "last step reported -> step resumed from |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    how = "the whole job" if stuck is None else f"one rank, then the other once ended or stuck ({stuck:g} s)"
+    print(f"\n## Lost work per SIGKILL of a 2-rank job ({kills} kills per strategy: {how}; fast tier every step, "
+          f"keep 2; persistent every 20 steps)\n")
+    print("| strategy | saves | kills | steps lost: mean | max | from scratch | hangs | failed | survivor ended / "
+          "stuck | last step reported -> step resumed from |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (strategy, async_save), trials in results.items():
         done = [t for t in trials if t.outcome == "resumed"]
         lost = [max(0, t.finished - t.resumed) for t in done]
         scratch = sum(1 for t in done if t.resumed == 0 and t.finished >= 1)
         hangs = sum(1 for t in trials if t.outcome == "hang")
         mean, most = (f"{statistics.mean(lost):.2f}", str(max(lost))) if lost else ("-", "-")
+        survivors = "-" if stuck is None else \
+            f"{sum(t.survivor == 'ended' for t in trials)} / {sum(t.survivor == 'stuck' for t in trials)}"
         print(f"| {strategy} | {'async' if async_save else 'sync'} | {len(trials)} | {mean} | {most} | {scratch} | "
-              f"{hangs} | {len(trials) - len(done) - hangs} | "
+              f"{hangs} | {len(trials) - len(done) - hangs} | {survivors} | "
               f"{', '.join(f'{t.finished}->{t.resumed}' for t in done)} |")
     for trials in results.values():
         for t in trials:
@@ -187,9 +204,11 @@ def main() -> None:
     parser.add_argument("--strategies", default="ddp,mp", help="comma-separated: ddp, mp (ModelParallel)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a phase may take before a hang")
+    parser.add_argument("--one-rank-first", type=float, default=None, metavar="STUCK_S",
+                        help="kill one rank first, the other once it ended or reported no step for STUCK_S seconds")
     args = parser.parse_args()
     print(f"python {' '.join(sys.argv)}; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    lost_work(args.kills, args.strategies.split(","), args.seed, args.timeout)
+    lost_work(args.kills, args.strategies.split(","), args.seed, args.timeout, args.one_rank_first)
 
 
 if __name__ == "__main__":
