@@ -20,10 +20,9 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers.launching import DDP_NET, SHARDED_NET, start_ranks
-from helpers.signals import finish, until_both
+from helpers.signals import RECORD, assert_same_state, finish, until_both
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +34,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint
 from helpers.signals import Waits
 
@@ -55,23 +53,7 @@ class Noisy:
         torch.manual_seed(1000 + (self.global_rank if strategy == "mp" else 0))
 
 
-class Record(pl.Callback):
-    def __init__(self, name):
-        self.name = name
-
-    def on_train_start(self, trainer, pl_module):
-        self.start, self.ckpt_path = trainer.global_step, trainer.ckpt_path and str(trainer.ckpt_path)
-
-    def on_fit_end(self, trainer, pl_module):
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model = trainer.strategy.model
-        state = {"model": get_model_state_dict(model, options=opts),
-                 "optim": get_optimizer_state_dict(model, trainer.optimizers[0], options=opts)}
-        if trainer.global_rank == 0:
-            torch.save(state, os.path.join(root, self.name + ".pt"))
-        with open(os.path.join(root, f"{self.name}.rank{trainer.global_rank}.json"), "w") as f:
-            json.dump({"start": self.start, "ckpt_path": self.ckpt_path, "end": trainer.global_step}, f)
-
+""" + RECORD + """
 
 def fit(where, callbacks, ckpt_path=None):
     pl.seed_everything(0, verbose=False)
@@ -129,11 +111,4 @@ def test_a_killed_two_rank_job_resumes_from_the_fast_tier_bit_for_bit(tmp_path: 
         assert got["start"] >= KILL_AT - 1 and got["end"] == 12, got
         starts.add(got["start"])
     assert len(starts) == 1, starts  # both ranks from the same step
-    resumed, reference = torch.load(tmp_path / "last.pt"), torch.load(tmp_path / "reference.pt")
-    assert reference["model"].keys() == resumed["model"].keys()
-    for k, t in reference["model"].items():
-        assert torch.equal(resumed["model"][k], t), k
-    assert reference["optim"]["state"]
-    for param, moments in reference["optim"]["state"].items():
-        for name, t in moments.items():
-            assert torch.equal(resumed["optim"]["state"][param][name], t), (param, name)
+    assert_same_state(tmp_path / "last.pt", tmp_path / "reference.pt")
