@@ -3,14 +3,14 @@
 2 CPU ranks on gloo, started as a launcher starts them (``helpers.launching.start_ranks``), fit 12 steps with
 ``OrtCheckpoint(persistent, every_n_train_steps=4, local=LocalTier(fast, every_n_train_steps=1, keep=2))`` under
 ``DDPStrategy`` (rank 0 writes one file) or ``ModelParallelStrategy`` (FSDP2: a folder of each rank's shards). The
-ranks draw random numbers every step (under ModelParallel each rank its own; under DDP the same on every rank, as
-the file holds rank 0's random states: docs/callback.md, "Random states under DDP") and shuffle through the
-``DistributedSampler``, so a resume that misses a random state or a data position differs. Once both ranks said they
-are at step 6, the test SIGKILLs both (no handler runs, the kill lands wherever the ranks are: a step, a save, a
-background write; a rank that reaches step 8 waits there, so that the kill always comes before the fit ends). A
-relaunch with ``fit(ckpt_path="last")`` starts both ranks from the fast tier, at most one step before the kill (a
-fit may have finished a step more than it said), and ends in the state of an uninterrupted fit, bit for bit (module
-and optimizer). The lost work over many kills is measured by ``benchmarks/tiers_ranks.py``.
+ranks draw random numbers of their own every step (under DDP too, where rank 0 writes every rank's random states
+into its file) and shuffle through the ``DistributedSampler``, so a resume that misses a rank's random state or a
+data position differs. Once both ranks said they are at step 6, the test SIGKILLs both (no handler runs, the kill
+lands wherever the ranks are: a step, a save, a background write; a rank that reaches step 8 waits there, so that
+the kill always comes before the fit ends). A relaunch with ``fit(ckpt_path="last")`` starts both ranks from the
+fast tier, at most one step before the kill (a fit may have finished a step more than it said), and ends in the
+state of an uninterrupted fit, bit for bit (module and optimizer). The lost work over many kills is measured by
+``benchmarks/tiers_ranks.py``.
 """
 
 from __future__ import annotations
@@ -49,9 +49,7 @@ class Noisy:
         return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(x))), batch[1])
 
     def on_fit_start(self):
-        # Under DDP rank 0 writes the file, with its own random states, which every rank restores (docs/callback.md,
-        # "Random states under DDP"): there the ranks draw the same numbers; under ModelParallel each its own
-        torch.manual_seed(1000 + (self.global_rank if strategy == "mp" else 0))
+        torch.manual_seed(1000 + self.global_rank)
 
 
 """ + RECORD + """
