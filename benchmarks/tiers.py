@@ -86,8 +86,8 @@ def _data(width: int, n: int) -> DataLoader:
                       batch_size=8, shuffle=True)
 
 
-def _trainer(callbacks: list[pl.Callback], steps: int, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(max_steps=steps, callbacks=callbacks, accelerator="cpu", devices=1, logger=False,
+def _trainer(callbacks: list[pl.Callback], steps: int, devices: int = 1, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(max_steps=steps, callbacks=callbacks, accelerator="cpu", devices=devices, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
 
@@ -117,6 +117,53 @@ def _in_child(run: Any) -> int:
     return pid
 
 
+class Steps:
+    """What forked fits report on their pipes (``Reports``): the newest step each said it finished, -1 before its
+    first. Reads are bounded by a deadline (a hung fit ends a wait, never blocks it); a pipe closes when its fit has
+    ended."""
+
+    def __init__(self, fds: list[int]) -> None:
+        self.newest = [-1] * len(fds)
+        self._fds, self._open, self._buffers = fds, set(fds), {fd: b"" for fd in fds}
+
+    def _read(self, timeout: float) -> None:
+        ready, _, _ = select.select(list(self._open), [], [], timeout)
+        for fd in ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                self._open.discard(fd)
+            *lines, self._buffers[fd] = (self._buffers[fd] + chunk).split(b"\n")
+            i = self._fds.index(fd)
+            self.newest[i] = max([self.newest[i], *(int(line) for line in lines if line and line[:1] != b"x")])
+
+    def until(self, step: int, deadline: float) -> bool:
+        """Reads until a fit reported ``step`` (True), or every fit ended or the deadline passed (False)."""
+        while max(self.newest) < step and self._open and time.monotonic() < deadline:
+            self._read(min(1.0, max(0.0, deadline - time.monotonic())))
+        return max(self.newest) >= step
+
+    def quiet(self, seconds: float, deadline: float) -> bool:
+        """Reads until every fit ended (True), or none reported a step for ``seconds`` or the deadline passed
+        (False: a fit is stuck)."""
+        last = time.monotonic()
+        while self._open and time.monotonic() - last < seconds and time.monotonic() < deadline:
+            before = list(self.newest)
+            self._read(min(1.0, seconds))
+            if self.newest != before:
+                last = time.monotonic()
+        return not self._open
+
+    def close(self, deadline: float) -> bool:
+        """Reads what the fits reported before they ended, then closes the pipes; False if one was still open at
+        the deadline."""
+        while self._open and time.monotonic() < deadline:
+            self._read(min(1.0, max(0.0, deadline - time.monotonic())))
+        ended = not self._open
+        for fd in self._fds:
+            os.close(fd)
+        return ended
+
+
 def one_kill(root: str, async_save: bool, rng: random.Random) -> tuple[int, int]:
     """(the last step the killed fit reported finished, the step ``fit(ckpt_path="last")`` resumed from)."""
     read, write = os.pipe()
@@ -129,28 +176,13 @@ def one_kill(root: str, async_save: bool, rng: random.Random) -> tuple[int, int]
 
     pid = _in_child(train)
     os.close(write)
-    reported, buffer = -1, b""
-    deadline = time.monotonic() + 300  # only a hang ends a trial this way
-    while reported < kill_at and time.monotonic() < deadline:
-        ready, _, _ = select.select([read], [], [], 1.0)
-        if ready:
-            chunk = os.read(read, 4096)
-            if not chunk:
-                break
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            reported = max([reported, *(int(line) for line in lines if line and line[:1] != b"x")])
+    steps = Steps([read])
+    steps.until(kill_at, time.monotonic() + 300)  # only a hang ends a trial this way
     time.sleep(rng.uniform(0, 0.03))
     os.kill(pid, signal.SIGKILL)
-    while True:  # what it reported before the kill landed
-        chunk = os.read(read, 4096)
-        if not chunk:
-            break
-        buffer += chunk
-    reported = max([reported, *(int(line) for line in buffer.split(b"\n") if line and line[:1] != b"x")])
-    os.close(read)
+    steps.close(time.monotonic() + 300)  # what it reported before the kill landed
     os.waitpid(pid, 0)
-    return reported, _resumed_step(root)
+    return steps.newest[0], _resumed_step(root)
 
 
 def step_in_child(fit: Any) -> int | None:

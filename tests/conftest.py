@@ -118,6 +118,7 @@ FILE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_tiers_sharded.py": ("trainer", "multiprocess"),
     "test_nothing_global_ranks.py": ("trainer", "multiprocess"),
     "test_tiers_signals_sharded.py": ("trainer", "multiprocess"),
+    "test_tiers_kills.py": ("trainer", "multiprocess", "crash"),
 }
 
 

@@ -19,8 +19,10 @@ wrap itself is ``_lightning_adapter``'s):
   every rank and rank 0 writes it through the plugin, one ORT file; every rank loads that file and hands the full
   state to ``set_model_state_dict`` / ``set_optimizer_state_dict``, which keep each rank's shard.
 
-Every other strategy (DDP, single device...) saves through the ``CheckpointIO`` and is left alone. DeepSpeed is
-refused when the plugin is bound (:class:`CheckpointConfigError`): its ZeRO checkpoints are DeepSpeed's own files.
+Every other strategy (DDP, single device...) saves through the ``CheckpointIO``; one of several processes (DDP) has
+its two methods wrapped too, only to put every rank's random states into the file rank 0 writes and give each rank
+its own on load (:func:`own_random_states`). DeepSpeed is refused when the plugin is bound
+(:class:`CheckpointConfigError`): its ZeRO checkpoints are DeepSpeed's own files.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
     to undo it, or None for a strategy that uses the plugin by itself."""
     how = kind(strategy)
     if how is None:
-        return None
+        return _attach_ranks(strategy, plugin) if _several_ranks(strategy) else None
     from ._dcp_staging import ShardStager
 
     owner = weakref.ref(strategy)  # what the plugin keeps (the stager) and the strategy (its methods) hold it weakly
@@ -155,6 +157,31 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
         stager.close()
 
     return Attachment(undo, stager.close, stager.arm)
+
+
+def _several_ranks(strategy: Any) -> bool:
+    """Whether ``strategy`` runs one process per rank (DDP...): a ``ParallelStrategy`` of Lightning."""
+    return isinstance(strategy, namespace_of(strategy).attr("strategies.ParallelStrategy"))
+
+
+def _attach_ranks(strategy: Any, plugin: Plugin) -> Attachment:
+    """A strategy whose rank 0 writes through the plugin (DDP): every rank's random states go into the file (one
+    collective a generator, on every rank, as Lightning calls ``save_checkpoint`` on every rank), and each rank
+    restores its own, as under a full-state save of a sharded strategy."""
+    owner = weakref.ref(strategy)
+
+    def save(original: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        served: Any = owner()  # (alive: it is calling)
+        if served.world_size > 1:
+            checkpoint = {**checkpoint, RANKS_RNG_KEY: gather_random_states(served)}
+        original(checkpoint, filepath, storage_options=storage_options)
+
+    def load(original: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint: dict[str, Any] = original(checkpoint_path, weights_only)
+        return own_random_states(owner(), plugin, checkpoint, str(checkpoint_path))
+
+    unwrap = _lightning_adapter.wrap_strategy_checkpointing(strategy, save, load, lambda original: original())
+    return Attachment(unwrap, lambda: None, lambda optimizers: None)
 
 
 def _staged_shards(strategy: weakref.ref[Any], plugin: weakref.ref[Plugin]) -> tuple[list[torch.Tensor],
@@ -345,13 +372,9 @@ def gather_random_states(strategy: Any) -> dict[str, dict[str, torch.Tensor]]:
     return ranks
 
 
-# -- full state -------------------------------------------------------------------------------------------------
-def load_full_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, Any]:
-    """Every rank reads the ORT file rank 0 wrote and keeps its shard of the module and optimizer states."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
-
-    checkpoint = plugin.load_checkpoint(path)
+def own_random_states(strategy: Any, plugin: Plugin, checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+    """``checkpoint`` (a file rank 0 wrote, with every rank's random states) with this rank's own random states,
+    handed to ``plugin`` to restore when training starts; unchanged where the file holds no rank's but rank 0's."""
     by_rank = checkpoint.pop(RANKS_RNG_KEY, None)
     if isinstance(by_rank, dict):  # this rank's own random states, if it saved any
         mine = by_rank.get(_rank_key(strategy.global_rank))
@@ -359,6 +382,16 @@ def load_full_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, 
         if mine is not None:
             checkpoint[RNG_KEY] = unpack_random_states(mine)
         checkpoint = plugin.loaded(checkpoint, path)
+    return checkpoint
+
+
+# -- full state -------------------------------------------------------------------------------------------------
+def load_full_checkpoint(strategy: Any, plugin: Plugin, path: str) -> dict[str, Any]:
+    """Every rank reads the ORT file rank 0 wrote and keeps its shard of the module and optimizer states."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    checkpoint = own_random_states(strategy, plugin, plugin.load_checkpoint(path), path)
     model = strategy.model
     strict = strategy.lightning_module.strict_loading
     set_model_state_dict(model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict))

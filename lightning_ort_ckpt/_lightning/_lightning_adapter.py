@@ -17,8 +17,9 @@ What it holds:
   sharded strategies (``ModelParallelStrategy``, ``FSDPStrategy``) save and load without the ``CheckpointIO``
   (torch.distributed.checkpoint, ``torch.load``); while an ``OrtCheckpointIO`` is bound to such a strategy
   instance, these methods (and ``teardown``, which ends the plugin's work too) are ours (``_strategies``), set on
-  that instance only and removed at the plugin's ``teardown``. The strategy's save mode is read here
-  (:func:`sharded_state_dict`). Every strategy a plugin is bound to has its ``process_dataloader`` wrapped on that
+  that instance only and removed at the plugin's ``teardown`` (a strategy of several processes that saves through
+  the ``CheckpointIO``, DDP, has them wrapped as well, for every rank's random states). The strategy's save mode is
+  read here (:func:`sharded_state_dict`). Every strategy a plugin is bound to has its ``process_dataloader`` wrapped on that
   instance too (:func:`wrap_process_dataloader`), until the plugin is bound again, to learn the training loaders
   before their first iterator is drawn (and that the fit's optimizers exist: the staging memory arms then);
 - **"last" on a store** (:class:`LastStandIn`): Lightning resolves ``ckpt_path="last"`` before any callback hook,

@@ -70,21 +70,29 @@ def launch_script(script: Path, args: list[str], what: str, timeout: float, **ex
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
 
 
-def launch_ranks(script: Path, args: list[str], world_size: int, timeout: float, **extra_env: str) -> None:
-    """Run ``script`` once per rank (``RANK``, ``WORLD_SIZE`` and torch.distributed's ``env://`` rendezvous on a
-    fresh loopback port, the package of this checkout importable); fail the test with a rank's output if a rank
-    does not end within ``timeout`` seconds or exits non-zero."""
+def start_ranks(script: Path, args: list[str], world_size: int, **extra_env: str) -> list[subprocess.Popen[str]]:
+    """Start ``script`` once per rank, as a launcher starts a job's ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``
+    and torch.distributed's ``env://`` rendezvous on a fresh loopback port: Lightning starts no process of its own,
+    the package of this checkout importable), each rank's output (stdout and stderr) on its ``stdout``, as text."""
     port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-               **extra_env}
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0",
+           "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+           **extra_env}
+    for name in ("GLOBAL_RANK", "PL_GLOBAL_SEED"):
+        env.pop(name, None)  # the launcher decides these
+    return [subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(rank),
+                                                                         "LOCAL_RANK": str(rank)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             errors="replace") for rank in range(world_size)]
+
+
+def launch_ranks(script: Path, args: list[str], world_size: int, timeout: float, **extra_env: str) -> None:
+    """Run ``script`` once per rank (``start_ranks``); fail the test with a rank's output if a rank does not end
+    within ``timeout`` seconds or exits non-zero."""
+    procs = start_ranks(script, args, world_size, **extra_env)
     try:
-        logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
     except subprocess.TimeoutExpired:
         pytest.fail(f"{script.name} {' '.join(args)}: a rank did not end within {timeout:.0f} s")
     finally:

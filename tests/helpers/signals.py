@@ -1,5 +1,6 @@
 """The signals tests' shared parts: a stand-in ``scontrol``, the callback that holds a child at a batch boundary
-until its signal is handled, and reading the output of 2 rank processes."""
+until its signal is handled, reading the output of 2 rank processes, and the record of a resumed 2-rank fit's whole
+state, compared with an uninterrupted one's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import pytorch_lightning as pl
+import torch
 
 
 class Waits(pl.Callback):
@@ -85,3 +87,40 @@ def finish(procs: list[Any], out: list[list[str]]) -> None:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+
+
+RECORD = r'''
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+
+class Record(pl.Callback):  # where a fit started, and its whole state once it ended (rank 0: root/<name>.pt)
+    def __init__(self, name):
+        self.name = name
+
+    def on_train_start(self, trainer, pl_module):
+        self.start, self.ckpt_path = trainer.global_step, trainer.ckpt_path and str(trainer.ckpt_path)
+
+    def on_fit_end(self, trainer, pl_module):
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = trainer.strategy.model
+        state = {"model": get_model_state_dict(model, options=opts),
+                 "optim": get_optimizer_state_dict(model, trainer.optimizers[0], options=opts)}
+        if trainer.global_rank == 0:
+            torch.save(state, os.path.join(root, self.name + ".pt"))
+        with open(os.path.join(root, f"{self.name}.rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"start": self.start, "ckpt_path": self.ckpt_path, "end": trainer.global_step}, f)
+'''
+"""The ``Record`` callback of the 2-rank scripts, as script text (it needs ``json``, ``os``, ``torch``, ``pl`` and
+the script's output folder ``root``)."""
+
+
+def assert_same_state(resumed: Path, reference: Path) -> None:
+    """The module and optimizer states ``Record`` saved in ``resumed`` and ``reference`` are equal, bit for bit."""
+    got, want = torch.load(resumed), torch.load(reference)
+    assert want["model"].keys() == got["model"].keys()
+    for k, t in want["model"].items():
+        assert torch.equal(got["model"][k], t), k
+    assert want["optim"]["state"]
+    for param, moments in want["optim"]["state"].items():
+        for name, t in moments.items():
+            assert torch.equal(got["optim"]["state"][param][name], t), (param, name)
