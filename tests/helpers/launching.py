@@ -3,11 +3,14 @@ users launch one (``python train.py``; Lightning's launcher starts the other ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,14 +94,9 @@ def launch_ranks(script: Path, args: list[str], world_size: int, timeout: float,
     """Run ``script`` once per rank (``start_ranks``); fail the test with a rank's output if a rank does not end
     within ``timeout`` seconds or exits non-zero."""
     procs = start_ranks(script, args, world_size, **extra_env)
-    try:
+    logs: list[str] = []
+    with _ending(procs, f"{script.name} {' '.join(args)}: a rank", timeout):
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{script.name} {' '.join(args)}: a rank did not end within {timeout:.0f} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
 
@@ -123,16 +121,23 @@ def launch_nodes(script: Path, args: list[str], folders: list[Path], what: str, 
         with open(folder.parent / f"{folder.name}.log", "w") as log:  # a file: no pipe fills while a node waits
             procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=str(folder),
                                           stdout=log, stderr=subprocess.STDOUT))
-    try:
+    with _ending(procs, f"{what}: a node", timeout):
         for p in procs:
             p.wait(timeout=timeout)
+    for p, folder in zip(procs, folders):
+        log = (folder.parent / f"{folder.name}.log").read_text(errors="replace")
+        assert p.returncode == 0, f"{what}, node {folders.index(folder)}:\n{log[-6000:]}"
+
+
+@contextlib.contextmanager
+def _ending(procs: list[subprocess.Popen[Any]], who: str, timeout: float) -> Iterator[None]:
+    """The wait for ``procs`` inside: a timeout fails the test naming ``who``; none outlives it."""
+    try:
+        yield
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{what}: a node did not end within {timeout:.0f} s")
+        pytest.fail(f"{who} did not end within {timeout:.0f} s")
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, folder in zip(procs, folders):
-        log = (folder.parent / f"{folder.name}.log").read_text(errors="replace")
-        assert p.returncode == 0, f"{what}, node {folders.index(folder)}:\n{log[-6000:]}"
