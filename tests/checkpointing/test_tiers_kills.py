@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.launching import DDP_NET, SHARDED_NET, start_ranks
+from helpers.launching import DDP_NET, NOISY, SHARDED_NET, start_ranks
 from helpers.signals import RECORD, assert_same_state, finish, until_both
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,16 +41,7 @@ from helpers.signals import Waits
 root, phase, strategy, async_save = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 warnings.simplefilter("ignore")
 
-""" + DDP_NET + SHARDED_NET + """
-
-class Noisy:
-    def training_step(self, batch, batch_idx):
-        x = batch[0] + 0.05 * torch.randn_like(batch[0])  # per-rank random numbers decide the run
-        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(x))), batch[1])
-
-    def on_fit_start(self):
-        torch.manual_seed(1000 + self.global_rank)
-
+""" + DDP_NET + SHARDED_NET + NOISY + """
 
 """ + RECORD + """
 

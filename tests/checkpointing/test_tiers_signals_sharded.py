@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from helpers.launching import SHARDED_NET, free_port
+from helpers.launching import NOISY, SHARDED_NET, free_port
 from lightning_ort_ckpt.format._store import store_for
 from lightning_ort_ckpt._restore._registry import State, scan
 from helpers.signals import RECORD, assert_same_state, finish, interrupted_at, scontrol, until_both
@@ -47,16 +47,10 @@ root, phase, async_save, waits = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == 
 warnings.simplefilter("ignore")
 
 
-""" + SHARDED_NET + """
+""" + SHARDED_NET + NOISY + """
 
-class Net(ShardedNet):
-
-    def training_step(self, batch, batch_idx):
-        x = batch[0] + 0.05 * torch.randn_like(batch[0])  # per-rank random numbers decide the run
-        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(x))), batch[1])
-
-    def on_fit_start(self):
-        torch.manual_seed(1000 + self.global_rank)
+class Net(Noisy, ShardedNet):
+    pass
 
 
 """ + RECORD + """

@@ -51,6 +51,18 @@ class ShardedNet(pl.LightningModule):  # 8 -> 16 -> 1, each layer and the whole 
 """The module of the ModelParallel child scripts, as script text (it needs ``pl``, ``torch`` and ``nn`` imported):
 a regression step and AdamW, which a script may override."""
 
+NOISY = r'''
+class Noisy:  # put before DDP_NET's Net or SHARDED_NET's ShardedNet: each rank draws random numbers of its own
+    def training_step(self, batch, batch_idx):
+        x = batch[0] + 0.05 * torch.randn_like(batch[0])  # per-rank random numbers decide the run
+        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(x))), batch[1])
+
+    def on_fit_start(self):
+        torch.manual_seed(1000 + self.global_rank)
+'''
+"""A mixin of the child scripts, as script text: a run that resumes bit for bit only if each rank restores its own
+random states."""
+
 
 def free_port() -> int:
     with socket.socket() as s:
