@@ -12,7 +12,7 @@ from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.format._atomic import _lock
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
 from helpers.fits import files_after_fit, fit, name
-from helpers.s3 import proxy, s3_endpoint  # noqa: F401 (fixtures: moto's S3 server for the session, a proxy before it)
+from helpers.s3 import counted, proxy, s3_endpoint  # noqa: F401 (fixtures: moto's S3 server, a proxy before it)
 
 
 @pytest.fixture(scope="module")

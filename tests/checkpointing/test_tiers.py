@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -151,18 +150,6 @@ def test_nothing_anywhere_starts_from_step_0(tmp_path: Path) -> None:
     assert trainer.ckpt_path is None and trainer.lightning_module.steps_run == 8
 
 
-@pytest.fixture
-def counted(proxy: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The proxy, which what opens the store without our options reaches too (the environment names it); fsspec's
-    cached S3 file systems are dropped before and after, so none made here outlives the proxy."""
-    import s3fs
-
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        yield proxy
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_a_valid_fast_tier_reads_no_object_of_the_persistent_store(tmp_path: Path, counted: Any,

@@ -14,34 +14,23 @@ fast tier saves as without peer copies. (A sharded strategy's folders: test_tier
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import pytest
 
 from helpers.fits import files_after_fit, fit
 from helpers.launching import DDP_NET, launch_script
+from helpers.peers import NODES_HEAD, SCRIPT_HEAD, new_bucket, object_reads, record
 from lightning_ort_ckpt import LocalTier, OrtCheckpoint, load_checkpoint
 from lightning_ort_ckpt.errors import CheckpointConfigError, CheckpointWarning
 
-SCRIPT = r'''
-import json, os, sys, threading, warnings
-import pytorch_lightning as pl
-import torch
+SCRIPT = SCRIPT_HEAD + DDP_NET + r'''
 import torch.distributed as dist
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_ort_ckpt import LocalTier, OrtCheckpoint
 
-OUT, PHASE, ENDPOINT, BUCKET = sys.argv[1:5]
 RANK = int(os.environ.get("LOCAL_RANK", "0"))  # one node: the local rank is the global one
-OPTIONS = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": ENDPOINT}}
 
-''' + DDP_NET + r'''
 
 def groups():
     return len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
@@ -57,21 +46,13 @@ class Record(pl.Callback):
 
 
 def fit(name, max_steps, peer=None, ckpt_path=None):
-    pl.seed_everything(0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    record = Record()
-    callbacks = [record]
-    if peer is not None:
-        callbacks.append(OrtCheckpoint(f"s3://{BUCKET}/run", every_n_train_steps=4, save_top_k=-1, async_save=True,
-                                       storage_options=OPTIONS,
-                                       local=LocalTier(os.path.join(OUT, name.split("-")[0] + str(RANK)),
-                                                       every_n_train_steps=1, keep=2, peer=peer)))
+    loader, record = data(), Record()
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=2, strategy="ddp", logger=False,
-                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=peer is not None)
+                         callbacks=callbacks(record, peer, os.path.join(OUT, name.split("-")[0] + str(RANK))),
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, enable_checkpointing=peer is not None)
     threads = {t.name for t in threading.enumerate()}
-    trainer.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4), ckpt_path=ckpt_path)
+    trainer.fit(Net(), loader, ckpt_path=ckpt_path)
     weights = {k: v.flatten().tolist() for k, v in trainer.lightning_module.state_dict().items()}
     with open(os.path.join(OUT, f"{name}.rank{trainer.global_rank}.json"), "w") as f:
         json.dump({**record.seen, "weights": weights, "groups_after": groups(), "end": trainer.global_step,
@@ -91,28 +72,10 @@ else:
 '''
 
 
-def record(tmp_path: Path, name: str, rank: int) -> dict[str, Any]:
-    return json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
-
-
-def _object_reads(requests: list[str]) -> list[str]:
-    """GETs of an object's bytes (a listing is a GET of the bucket: ``list-type=``)."""
-    return [r for r in requests if r.startswith("GET ") and "list-type=" not in r and r.split("?")[0].count("/") > 1]
-
-
-@pytest.fixture
-def counted(proxy: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The counting proxy, named in the environment too (what opens the store without our options reaches it)."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    return proxy
-
-
 def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_store(tmp_path: Path,
                                                                                     counted: Any) -> None:
     proxy = counted
-    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": proxy.url}}
-    bucket = f"peer-{os.getpid()}-{id(tmp_path) % 100000}"
-    fsspec.filesystem("s3", **options).mkdir(bucket)
+    bucket = new_bucket(proxy, "peer", tmp_path)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     launch_script(script, [str(tmp_path), "first", proxy.url, bucket], "the peer-copy fits", 900)
@@ -141,7 +104,7 @@ def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_st
         path.unlink()
     proxy.requests.clear()
     launch_script(script, [str(tmp_path), "resume", proxy.url, bucket], "the resume from a peer copy", 900)
-    assert _object_reads(proxy.requests) == [], proxy.requests
+    assert object_reads(proxy.requests) == [], proxy.requests
     assert any("list-type=" in r for r in proxy.requests)  # it did look at the persistent tier
     resumed = record(tmp_path, "fast-resume", 0)
     assert (resumed["start"], resumed["ckpt_path"], resumed["end"]) == (6, str(fast0 / "step=6.ckpt"), 8)
@@ -161,7 +124,7 @@ def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_st
     fast1.mkdir()
     proxy.requests.clear()
     launch_script(script, [str(tmp_path), "partner", proxy.url, bucket], "the resume with the partner wiped", 900)
-    assert _object_reads(proxy.requests) == [], proxy.requests
+    assert object_reads(proxy.requests) == [], proxy.requests
     partner = record(tmp_path, "fast-partner", 0)
     assert (partner["start"], partner["ckpt_path"], partner["end"]) == (10, str(fast0 / "step=10.ckpt"), 12)
     assert sorted(p.name for p in copies.iterdir()) == ["step=11.ckpt", "step=12.ckpt"]
@@ -180,48 +143,20 @@ def test_one_process_warns_and_saves_as_without_peer_copies(tmp_path: Path) -> N
     assert files_after_fit(fast) == {"step=6.ckpt", "step=8.ckpt"}  # and no peer folder
 
 
-NODES_SCRIPT = r'''
-import json, os, shutil, sys, warnings
-import pytorch_lightning as pl
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_ort_ckpt import LocalTier, OrtCheckpoint
-
-OUT, PHASE, ENDPOINT, BUCKET = sys.argv[1:5]
-NODE = int(os.environ["NODE_RANK"])
-FAST = "/proc/self/cwd/fast"  # one path on every node, each node's own folder
-OPTIONS = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": ENDPOINT}}
-
-''' + DDP_NET + r'''
-
-class Record(pl.Callback):
-    def __init__(self):
-        self.seen, self.weights = {}, {}
-
-    def on_train_start(self, trainer, pl_module):
-        self.seen.update(start=trainer.global_step, ckpt_path=trainer.ckpt_path and str(trainer.ckpt_path))
-
+NODES_SCRIPT = SCRIPT_HEAD + DDP_NET + NODES_HEAD + r'''
+class Record(NodeRecord):
     def on_train_batch_end(self, trainer, pl_module, *args):
         if trainer.global_step in (8, 10):
             self.weights[trainer.global_step] = {k: v.flatten().tolist() for k, v in pl_module.state_dict().items()}
 
 
 def fit(name, max_steps, peer=None, ckpt_path=None):
-    pl.seed_everything(0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    record = Record()
-    callbacks = [record]
-    if peer is not None:
-        callbacks.append(OrtCheckpoint(f"s3://{BUCKET}/run", every_n_train_steps=4, save_top_k=-1, async_save=True,
-                                       storage_options=OPTIONS,
-                                       local=LocalTier(FAST, every_n_train_steps=1, keep=2, peer=peer)))
+    loader, record = data(), Record()
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, num_nodes=2, strategy="ddp",
-                         logger=False, default_root_dir=OUT, callbacks=callbacks, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         enable_checkpointing=peer is not None)
-    trainer.fit(Net(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4), ckpt_path=ckpt_path)
+                         logger=False, default_root_dir=OUT, callbacks=callbacks(record, peer, FAST),
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, enable_checkpointing=peer is not None)
+    trainer.fit(Net(), loader, ckpt_path=ckpt_path)
     with open(os.path.join(OUT, f"{name}.rank{trainer.global_rank}.json"), "w") as f:
         json.dump({**record.seen, "weights": record.weights, "end": trainer.global_step,
                    "fast": sorted(os.listdir(FAST)) if os.path.isdir(FAST) else []}, f)
@@ -248,9 +183,7 @@ def test_ddp_across_two_nodes_resumes_each_node_from_its_own_fast_folder(tmp_pat
     from helpers.launching import launch_nodes
 
     proxy = counted
-    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": proxy.url}}
-    bucket = f"peer-nodes-{os.getpid()}-{id(tmp_path) % 100000}"
-    fsspec.filesystem("s3", **options).mkdir(bucket)
+    bucket = new_bucket(proxy, "peer-nodes", tmp_path)
     script = tmp_path / "train.py"
     script.write_text(NODES_SCRIPT)
     nodes = [tmp_path / "node0", tmp_path / "node1"]
@@ -261,7 +194,7 @@ def test_ddp_across_two_nodes_resumes_each_node_from_its_own_fast_folder(tmp_pat
 
     proxy.requests.clear()
     launch_nodes(script, [str(tmp_path), "resume", proxy.url, bucket], nodes, "the DDP resumes on two nodes", 900)
-    assert _object_reads(proxy.requests) == [], proxy.requests
+    assert object_reads(proxy.requests) == [], proxy.requests
     for rank in (0, 1):
         reference = record(tmp_path, "nodes-reference", rank)
         resumed, replaced = record(tmp_path, "nodes-resume", rank), record(tmp_path, "nodes-replaced", rank)

@@ -15,42 +15,20 @@ way.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-import fsspec
-import pytest
 
 from helpers.launching import SHARDED_NET, launch_nodes
+from helpers.peers import NODES_HEAD, SCRIPT_HEAD, new_bucket, object_reads, record
 from lightning_ort_ckpt import load_checkpoint
 
-SCRIPT = r'''
-import json, os, shutil, sys, warnings
-import pytorch_lightning as pl
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+SCRIPT = SCRIPT_HEAD + SHARDED_NET + r'''
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from pytorch_lightning.strategies import ModelParallelStrategy
-from lightning_ort_ckpt import LocalTier, OrtCheckpoint
-
-OUT, PHASE, ENDPOINT, BUCKET = sys.argv[1:5]
-NODE = int(os.environ["NODE_RANK"])
-FAST = "/proc/self/cwd/fast"  # one path on every node, each node's own folder
-OPTIONS = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": ENDPOINT}}
-
-''' + SHARDED_NET + r'''
-
-class Record(pl.Callback):
-    def __init__(self):
-        self.seen, self.weights = {}, {}
-
-    def on_train_start(self, trainer, pl_module):
-        self.seen.update(start=trainer.global_step, ckpt_path=trainer.ckpt_path and str(trainer.ckpt_path))
-
+''' + NODES_HEAD + r'''
+class Record(NodeRecord):
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step in (6, 8, 10):  # every rank: the full state is gathered collectively
             full = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True,
@@ -59,22 +37,13 @@ class Record(pl.Callback):
 
 
 def fit(name, max_steps, peer=None, ckpt_path=None):
-    pl.seed_everything(0)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    record = Record()
-    callbacks = [record]
-    if peer is not None:
-        callbacks.append(OrtCheckpoint(f"s3://{BUCKET}/run", every_n_train_steps=4, save_top_k=-1, async_save=True,
-                                       storage_options=OPTIONS,
-                                       local=LocalTier(FAST, every_n_train_steps=1, keep=2, peer=peer)))
+    loader, record = data(), Record()
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, num_nodes=2, logger=False,
                          strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                         default_root_dir=OUT, callbacks=callbacks, enable_progress_bar=False,
+                         default_root_dir=OUT, callbacks=callbacks(record, peer, FAST), enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                          enable_checkpointing=peer is not None)
-    trainer.fit(ShardedNet(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4),
-                ckpt_path=ckpt_path)
+    trainer.fit(ShardedNet(), loader, ckpt_path=ckpt_path)
     with open(os.path.join(OUT, f"{name}.rank{trainer.global_rank}.json"), "w") as f:
         json.dump({**record.seen, "weights": record.weights, "end": trainer.global_step}, f)
 
@@ -91,34 +60,16 @@ else:
 '''
 
 
-def record(tmp_path: Path, name: str, rank: int) -> dict[str, Any]:
-    return json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
-
-
-def _object_reads(requests: list[str]) -> list[str]:
-    """GETs of an object's bytes (a listing is a GET of the bucket: ``list-type=``)."""
-    return [r for r in requests if r.startswith("GET ") and "list-type=" not in r and r.split("?")[0].count("/") > 1]
-
-
 def _listing(folder: Path) -> dict[str, list[str]]:
     """Each step folder's files, the save id left out (``shard-<id>-00001.odtc`` as ``shard-00001``)."""
     return {d.name: sorted(f.name if not f.name.startswith("shard-") else f"shard-{f.name[-10:-5]}"
                            for f in d.iterdir()) for d in sorted(folder.iterdir()) if d.name.startswith("step=")}
 
 
-@pytest.fixture
-def counted(proxy: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The counting proxy, named in the environment too (what opens the store without our options reaches it)."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    return proxy
-
-
 def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the_store(tmp_path: Path,
                                                                                        counted: Any) -> None:
     proxy = counted
-    options = {"key": "x", "secret": "y", "client_kwargs": {"endpoint_url": proxy.url}}
-    bucket = f"peer-sharded-{os.getpid()}-{id(tmp_path) % 100000}"
-    fsspec.filesystem("s3", **options).mkdir(bucket)
+    bucket = new_bucket(proxy, "peer-sharded", tmp_path)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     nodes = [tmp_path / "node0", tmp_path / "node1"]
@@ -144,7 +95,7 @@ def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the
     fast0.mkdir()
     proxy.requests.clear()
     launch_nodes(script, [str(tmp_path), "resume", proxy.url, bucket], nodes, "the resumes from peer copies", 900)
-    assert _object_reads(proxy.requests) == [], proxy.requests
+    assert object_reads(proxy.requests) == [], proxy.requests
     assert any("list-type=" in r for r in proxy.requests)  # it did look at the persistent tier
     for rank in (0, 1):
         resumed, reference = record(tmp_path, "fast-resume", rank), record(tmp_path, "reference", rank)

@@ -143,3 +143,17 @@ def proxy(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Proxy]
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+@pytest.fixture
+def counted(proxy: _Proxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Proxy]:
+    """The proxy, which what opens the store without our options reaches too (the environment names it); fsspec's
+    cached S3 file systems are dropped before and after, so none made here outlives the proxy."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield proxy
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
