@@ -533,8 +533,9 @@ def _fileno(out: BinaryIO) -> int | None:
 
 
 def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
-    """Overwrite ``data`` at ``offset`` of the file being saved (before its fsync), leaving the position at the end."""
-    end = out.seek(0, os.SEEK_END)
+    """Overwrite ``data`` at ``offset`` of the file being saved (before its fsync), then go back to the position
+    the streaming reached (not the file's end: a file written over may be longer until its commit truncates it)."""
+    end = out.tell()
     out.seek(offset)
     view = memoryview(data)
     while view:
