@@ -25,7 +25,9 @@ trains ``--steps`` steps (``--threads`` torch threads, 1 by default) three ways 
 ``async_save=True``, every 10 steps (the folder in ``/dev/shm`` where it exists, as the tier is meant to be used).
 The time from the first step after 2 warm-up steps to the end of ``fit`` (which waits for every queued save) is
 compared with the run without saves; targets 1.05x (every step) and 1.02x (every 10). A first round, dropped, warms
-the process up; then ``--rounds`` rounds run the three in turn, and each one's median is reported.
+the process up; then ``--rounds`` rounds run the three in turn, and each one's median is reported, with the CPU time
+the process used meanwhile (all its threads: the save's work whether or not a free core hid it; on a machine other
+jobs share, a steadier figure than the wall time). ``--kills 0 --sigterms 0`` runs the overhead part alone.
 """
 
 from __future__ import annotations
@@ -312,19 +314,20 @@ class Big(pl.LightningModule):
 
 
 class Clock(pl.Callback):
-    """The time from the start of step ``warmup`` to the end of fit."""
+    """The time from the start of step ``warmup`` to the end of fit, and the process's CPU time (every thread's)."""
 
     def __init__(self, warmup: int) -> None:
-        self.warmup, self.start = warmup, 0.0
+        self.warmup, self.start, self.cpu = warmup, 0.0, 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.warmup:
-            self.start = time.perf_counter()
+            self.start, self.cpu = time.perf_counter(), time.process_time()
 
 
 def overhead(params_m: float, steps: int, rounds: int) -> None:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     times: dict[str, list[float]] = {"no saves": [], "every step": [], "every 10 steps": []}
+    cpu: dict[str, list[float]] = {mode: [] for mode in times}
     n_params = 0
     for round_ in range(rounds + 1):  # round 0 warms the process up (allocator, kernels, Lightning) and is dropped
         for mode in times if round_ else ["every step"]:
@@ -346,16 +349,18 @@ def overhead(params_m: float, steps: int, rounds: int) -> None:
                     trainer.fit(model, _data(model.d, 8 * steps))
                 if round_:
                     times[mode].append(time.perf_counter() - clock.start)
+                    cpu[mode].append(time.process_time() - clock.cpu)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
     print(f"\n## Overhead of the fast tier ({n_params / 1e6:.1f}M parameters + AdamW, {steps - 2} timed steps, "
           f"async_save=True, folder in {base or tempfile.gettempdir()}; median of {rounds})\n")
-    print("| run | time | per step | ratio to no saves |")
-    print("|---|---|---|---|")
-    reference = statistics.median(times["no saves"])
+    print("| run | time | per step | ratio to no saves | CPU, all threads | CPU ratio |")
+    print("|---|---|---|---|---|---|")
+    reference, cpu_reference = statistics.median(times["no saves"]), statistics.median(cpu["no saves"])
     for mode, values in times.items():
-        t = statistics.median(values)
-        print(f"| {mode} | {t:.2f} s | {1e3 * t / (steps - 2):.0f} ms | {t / reference:.3f}x |")
+        t, c = statistics.median(values), statistics.median(cpu[mode])
+        print(f"| {mode} | {t:.2f} s | {1e3 * t / (steps - 2):.0f} ms | {t / reference:.3f}x | {c:.2f} s | "
+              f"{c / cpu_reference:.2f}x |")
 
 
 def main() -> None:

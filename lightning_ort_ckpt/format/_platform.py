@@ -4,9 +4,9 @@ Linux (and some Unix) calls make saves and loads faster or safer: ``O_DIRECT`` a
 ``posix_fadvise`` (``diskio.read_range``), ``sync_file_range`` write-behind through ``ctypes.CDLL(None)``
 (``diskio.WriteBehind``), ``writev`` (the writer), ``preadv``, transparent huge pages (``MADV_HUGEPAGE``),
 ``O_NONBLOCK`` so that opening a FIFO cannot hang (``diskio.open_regular``), ``O_DIRECTORY`` for fsyncing a
-directory and ``os.kill(pid, 0)`` to tell a live writer from a dead one (``atomic``). Each use is feature-detected
-where it is made, and each has a portable fallback: plain reads and writes, ``stat`` before ``open``, ``fsync`` and
-``rename``, which every platform has. Setting the environment variable ``LIGHTNING_ORT_CKPT_PORTABLE_IO=1`` turns
+directory, ``os.kill(pid, 0)`` to tell a live writer from a dead one, and a write lease (``F_SETLEASE``) before a
+save writes over a retired file (``atomic``). Each use is feature-detected where it is made, and each has a portable
+fallback: plain reads and writes, ``stat`` before ``open``, ``fsync`` and ``rename``, which every platform has. Setting the environment variable ``LIGHTNING_ORT_CKPT_PORTABLE_IO=1`` turns
 every trick off, so the portable path can be used (and is tested, ``tests/format/test_portable_io.py``) on Linux.
 """
 

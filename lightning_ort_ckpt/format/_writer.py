@@ -533,8 +533,9 @@ def _fileno(out: BinaryIO) -> int | None:
 
 
 def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
-    """Overwrite ``data`` at ``offset`` of the file being saved (before its fsync), leaving the position at the end."""
-    end = out.seek(0, os.SEEK_END)
+    """Overwrite ``data`` at ``offset`` of the file being saved (before its fsync), then go back to the position
+    the streaming reached (not the file's end: a file written over may be longer until its commit truncates it)."""
+    end = out.tell()
     out.seek(offset)
     view = memoryview(data)
     while view:
@@ -543,16 +544,20 @@ def _write_at(out: BinaryIO, offset: int, data: bytes) -> None:
 
 
 class _Hashing:
-    """Checksums of the tensors as they stream. Large chunks are hashed on a helper thread while the main thread
-    writes them (the hash releases the GIL), so hashing hides under the writes; small ones are hashed in place. A
-    plain thread, not a ``concurrent.futures`` pool: saves queued by ``async_save`` may run during interpreter exit,
-    when pools refuse work (where even a thread cannot start, everything is hashed in place)."""
+    """Checksums of the tensors as they stream. In a save on the main thread (one that training waits for), large
+    chunks are hashed on a helper thread while the main thread writes them (the hash releases the GIL), so hashing
+    hides under the writes; small ones are hashed in place. A save already on a thread of its own (``async_save``'s
+    writer, a DCP executor) hashes everything in place: training is not waiting for it, and a helper would take a core
+    from training instead (the fast tier saving every step on 2 cores: docs/performance.md). A plain thread, not a
+    ``concurrent.futures`` pool: saves queued by ``async_save`` may run during interpreter exit, when pools refuse
+    work (where even a thread cannot start, everything is hashed in place)."""
 
     _THREAD_MIN = 1 << 20
 
     def __init__(self, tensors: _Tensors, enabled: bool) -> None:
         self.tensors = tensors
         self.enabled = enabled
+        self.helper = threading.current_thread() is threading.main_thread()  # see the class's doc
         self.hashers: dict[str, Any] = {}
         self.record_offset = -1
         self._queue: queue.Queue[tuple[Any, memoryview] | None] | None = None
@@ -577,7 +582,8 @@ class _Hashing:
     def update(self, h: Any, data: memoryview) -> None:
         if h is None:
             return
-        if (data.nbytes < self._THREAD_MIN and id(h) not in self._queued) or not self._start_thread():
+        if not self.helper or (data.nbytes < self._THREAD_MIN and id(h) not in self._queued) \
+                or not self._start_thread():
             h.update(data)
             return
         self._queued.add(id(h))

@@ -141,12 +141,13 @@ def leftovers(directory: Path, pid: int | None = None) -> list[str]:
 def kill_while_saving(proc: forkserver.Child, directory: Path, nth: int | str,
                       timeout: float = 60) -> tuple[str, int]:
     """SIGKILL ``proc`` as soon as the ``nth`` temporary checkpoint file it creates (or the first temporary for the
-    file named ``nth``) is seen growing.
+    file named ``nth``) is seen being written: growing, or, where the save writes over a retired file of the same
+    size (``format/_atomic/_cleanup``: spares), with a new modification time.
 
     Returns the checkpoint name that file was for, and its size when the kill was sent.
     """
     tmp_re = re.compile(rf"^\.(.+\.ckpt(?:\.data)?)\.{HOST_BOOT}\.{proc.pid}\.[0-9a-f]+\.tmp$")
-    seen: dict[str, int] = {}  # temporary files in the order they appeared, with their last size
+    seen: dict[str, tuple[int, int]] = {}  # temporary files in the order they appeared: last size, mtime
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         for entry in os.scandir(directory):
@@ -154,14 +155,15 @@ def kill_while_saving(proc: forkserver.Child, directory: Path, nth: int | str,
             if not m:
                 continue
             try:
-                size = entry.stat().st_size
+                st = entry.stat()
             except FileNotFoundError:  # committed (renamed) in the meantime
                 continue
-            if entry.name in seen and seen[entry.name] < size and (
+            before = seen.get(entry.name)
+            if before is not None and (before[0] < st.st_size or before[1] != st.st_mtime_ns) and (
                     m.group(1) == nth if isinstance(nth, str) else list(seen).index(entry.name) == nth - 1):
                 proc.send_signal(signal.SIGKILL)
-                return m.group(1), size
-            seen[entry.name] = size
+                return m.group(1), st.st_size
+            seen[entry.name] = (st.st_size, st.st_mtime_ns)
         time.sleep(0.0005)
     proc.kill()
     out, _ = proc.communicate()

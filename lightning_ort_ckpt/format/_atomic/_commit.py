@@ -140,7 +140,9 @@ class SaveFiles:
 @contextlib.contextmanager
 def atomic_save(path: str, *, with_data: bool, required_bytes: int,
                 link_data: Callable[[str], bool] | None = None) -> Iterator[SaveFiles]:
-    """Yield temporary files to write; on a clean exit make them durable and move them to ``path``.
+    """Yield temporary files to write, each from its start and in order (the main one may be a retired file of
+    the directory written over: it ends where the writing left it); on a clean exit make them durable and move them
+    to ``path``.
 
     ``link_data`` (the sharing plan's ``link``): called with the new ``.data``'s temporary name, it makes that a link
     to an existing file instead of a file to write, and says whether it could (``SaveFiles.linked``). On any exception before the commit the
@@ -151,21 +153,25 @@ def atomic_save(path: str, *, with_data: bool, required_bytes: int,
     makedirs_durably(directory)
     check_names_fit(target, with_data)
     sweep_stale(directory)
-    free = shutil.disk_usage(directory).free
-    if free < required_bytes:
-        raise CheckpointSaveError(
-            f"not enough free disk space: the checkpoint needs {required_bytes:,} bytes, {free:,} are free; "
-            "nothing was written", path)
     tag = token()
     tmp_main = hidden_name(target, tag, "tmp")
     tmp_data = hidden_name(data_path(target), tag, "tmp") if with_data else None
+    reused = UNLINKER.take(directory, tmp_main)  # a retired file's pages, written over (``_cleanup``: spares)
+    free = shutil.disk_usage(directory).free + (reused or 0)
+    if free < required_bytes:
+        discard(tmp_main if reused is not None else None)
+        raise CheckpointSaveError(
+            f"not enough free disk space: the checkpoint needs {required_bytes:,} bytes, {free:,} are free; "
+            "nothing was written", path)
     opened: list[BinaryIO] = []
     try:
-        opened.append(open(tmp_main, "xb", buffering=0))
+        opened.append(open(tmp_main, "xb" if reused is None else "r+b", buffering=0))
         linked = tmp_data is not None and link_data is not None and link_data(tmp_data)
         if tmp_data is not None and not linked:
             opened.append(open(tmp_data, "xb", buffering=0))
         yield SaveFiles(opened[0], opened[1] if len(opened) > 1 else None, linked)
+        if reused is not None:  # written from its start: what the file held beyond the new bytes goes
+            opened[0].truncate(opened[0].tell())
         for f in opened:
             os.fsync(f.fileno())
             f.close()
