@@ -97,9 +97,11 @@ def test_without_keep_newest_one_unranked_file_at_a_time() -> None:
 class _Held:
     def __init__(self) -> None:
         self.held: list[str] = []
+        self.sources: list[str | None] = []
 
-    def hold(self, path: str, found: object) -> None:
+    def hold(self, path: str, found: object, source: str | None = None) -> None:
         self.held.append(path)
+        self.sources.append(source)
 
 
 def _file(path: Path, step: int) -> None:
@@ -125,6 +127,7 @@ def test_rank_zero_reads_candidates_until_one_resumes_and_lists_the_others(tmp_p
     assert other.path == str(tmp_path / "step=4.ckpt")
     adopted = _Held()
     assert adopt(other, choice, adopted, store_for) and adopted.held == [other.path]  # handed rank 0's file
+    assert adopted.sources == [choice.path]  # named as where it was read from
     message = str(unresumable(str(tmp_path), LastChoice(problems=(("x.ckpt", "empty"),))))
     assert "none of its 1 checkpoint(s) can be resumed from:\n  x.ckpt: empty\n" in message
 
