@@ -53,7 +53,7 @@ from ._plugin_binding import StrategyBinding
 from ._restore._reading import is_ort_checkpoint, map_location_of, read_contents, read_torch_file, to_lightning
 from .errors import CheckpointConfigError, CheckpointError, CheckpointSaveError, CheckpointWarning
 from .format import CheckpointContents
-from .format._store import StorageOptions, Store, Stores, local_path, wait_for_cleanup
+from .format._store import StorageOptions, Store, Stores, keep_spares, local_path, wait_for_cleanup
 from .format._writer import ExternalData
 
 _EXTERNAL_DATA = ("auto", "never", "params", "all")
@@ -117,6 +117,7 @@ class OrtCheckpointIOMixin(StrategyBinding):
         self._train_start = _train_start.TrainStart()  # what a resumed fit restores when training starts
         self._reentry = _signals.Reentry()  # its calls in progress: a save in a signal handler waits for them
         self._promotion: Callable[[str], str | None] | None = None  # where a save goes first (_tiers, _promotion)
+        self._spares: Callable[[], None] | None = None  # from the first save to teardown: ``format._store.keep_spares``
         self._assignment = _nothing  # lets go of the setter wrap's hold (``__init__`` takes it)
         self._found_by: str | None = None  # how the strategy was found without being bound, until that is warned of
 
@@ -155,6 +156,8 @@ class OrtCheckpointIOMixin(StrategyBinding):
                         storage_options: Any | None = None) -> None:
         self._raise_background_error()
         self._warn_if_found()
+        if self._spares is None:  # saves written over the files saves before them retired, until teardown
+            self._spares = keep_spares()
         if _lightning_adapter.launcher_weights(path, checkpoint):
             return _save_torch(checkpoint, path)  # Lightning's launcher hands weights to the main process
         target = local_path(path)
@@ -275,6 +278,9 @@ class OrtCheckpointIOMixin(StrategyBinding):
         unwrap, self._unwrap = self._unwrap, None
         if unwrap is not None:
             unwrap()
+        spares, self._spares = self._spares, None
+        if spares is not None:
+            spares()
         wait_for_cleanup()
         _raise(next((e for e in errors if e is not None), None))
 

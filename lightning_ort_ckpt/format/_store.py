@@ -23,13 +23,13 @@ from contextlib import AbstractContextManager
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ._atomic import SaveFiles
+from ._atomic import SaveFiles, keep_spares as _keep_local_spares
 from ._fsspec_store import FsspecStore
 from ._local_store import LocalStore
 from ._urls import is_remote, local_path, strip_protocol
 
 __all__ = ["BACKENDS", "Backend", "StorageOptions", "Store", "Stores", "is_remote", "local_path", "register",
-           "store_for", "strip_protocol", "wait_for_cleanup"]
+           "keep_spares", "store_for", "strip_protocol", "wait_for_cleanup"]
 
 StorageOptions = dict[str, Any]
 """fsspec's keyword arguments for the file system of a URL (credentials, ``client_kwargs``, s3fs's
@@ -173,6 +173,12 @@ class Stores:
         if backend not in self._built:
             self._built[backend] = backend(self.storage_options)
         return self._built[backend]
+
+
+def keep_spares() -> Callable[[], None]:
+    """Until the returned function is called (a plugin's teardown), the local disk's saves may write over files
+    the saves before them retired (``_atomic._cleanup``: spares); a save no one keeps them for leaves none."""
+    return _keep_local_spares()
 
 
 def wait_for_cleanup() -> None:

@@ -11,6 +11,8 @@ import mmap
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +29,12 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sp
 
 @pytest.fixture(autouse=True)
 def _fast_path(monkeypatch):
+    """Spares kept, as a plugin keeps them from its first save to its teardown (a test may let go earlier)."""
     monkeypatch.delenv(PORTABLE_IO_ENV, raising=False)
     atomic.wait_for_cleanup()
-    yield
+    let_go = atomic.keep_spares()
+    yield let_go
+    let_go()
     atomic.wait_for_cleanup()
 
 
@@ -128,3 +133,30 @@ def test_the_portable_path_keeps_no_spare(tmp_path: Path, monkeypatch: pytest.Mo
     save_checkpoint(contents(1), tmp_path / "step=1.ckpt")
     atomic.remove(str(tmp_path / "step=1.ckpt"))
     assert atomic._UNLINKER._spares == {}
+
+
+
+
+def _gone(directory: Path) -> list[str]:
+    """The hidden files of ``directory`` once the unlink thread is idle (the bound catches a hang only)."""
+    for _ in range(600):
+        if not hidden(directory):
+            break
+        time.sleep(0.1)
+    return hidden(directory)
+
+
+def test_a_save_no_one_keeps_spares_for_leaves_none(tmp_path: Path, _fast_path: Callable[[], None]) -> None:
+    """A save when no plugin keeps spares (a single call) leaves no hidden file behind, without a drain: the retired
+    file is deleted as before. Kept while a keeper holds, a spare goes when the last one lets go."""
+    path = tmp_path / "last.ckpt"
+    second = atomic.keep_spares()  # two holders
+    save_checkpoint(contents(1), path)
+    save_checkpoint(contents(2), path)  # the first file retired: kept
+    _fast_path()
+    assert hidden(tmp_path) != []  # one holder is left
+    second()
+    assert _gone(tmp_path) == []  # the last one let go: the spare is deleted
+    save_checkpoint(contents(3), path)  # nobody keeps spares: the second file is deleted, not kept
+    assert _gone(tmp_path) == []
+    assert_same_checkpoint(load_checkpoint(path), contents(3))

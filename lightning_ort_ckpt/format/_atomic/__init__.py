@@ -20,14 +20,14 @@ is swept only when it is older than ``_cleanup.STALE_AGE_S``.
 """
 
 from .._naming import DATA_SUFFIX, FOLDER_COMMIT_NAME, data_path  # the rule every store follows, defined there
-from ._cleanup import UNLINKER as _UNLINKER, drain_deletions, sweep_stale as _sweep_stale, wait_for_cleanup
+from ._cleanup import UNLINKER as _UNLINKER, drain_deletions, keep_spares, sweep_stale as _sweep_stale, wait_for_cleanup
 from ._commit import SaveFiles, atomic_save, link, remove, repair
 from ._lock import LOCK_NAME
 from ._names import (BOOT as _BOOT, HOST as _HOST, JOURNAL_SUFFIX, LEFTOVER as _LEFTOVER,
                      OLD_LEFTOVER as _OLD_LEFTOVER, hidden_name as _hidden_name, temp_name)
 from ._pairs import open_pair
 
-__all__ = ["DATA_SUFFIX", "FOLDER_COMMIT_NAME", "JOURNAL_SUFFIX", "LOCK_NAME", "SaveFiles", "atomic_save", "data_path", "drain_deletions", "link",
+__all__ = ["DATA_SUFFIX", "FOLDER_COMMIT_NAME", "JOURNAL_SUFFIX", "LOCK_NAME", "SaveFiles", "atomic_save", "data_path", "drain_deletions", "keep_spares", "link",
            "open_pair", "remove", "repair", "temp_name", "wait_for_cleanup",
            # the tests forge a dead writer's leftovers, and hold the unlink thread, with these
            "_BOOT", "_HOST", "_LEFTOVER", "_OLD_LEFTOVER", "_UNLINKER", "_hidden_name", "_sweep_stale"]

@@ -20,6 +20,7 @@ import signal
 import stat
 import threading
 import time
+from collections.abc import Callable
 
 from .._platform import portable_io
 from ._names import LEFTOVER, OLD_LEFTOVER, dead
@@ -38,9 +39,11 @@ class Unlinker:
     at exit) only meanwhile or while it keeps spares, so importing the package starts and registers nothing. A forked
     child starts with a queue of its own (:meth:`_this_process`): no at-fork handler is registered for it.
 
-    Spares: a retired regular file of one link and at least ``SPARE_MIN_BYTES`` is not deleted but kept, one per
-    directory (a newer one replaces it), until the next save there takes it (:meth:`take`) or :meth:`join` deletes
-    it. A directory thus holds at most the files it held while a save was being written; between saves, one more."""
+    Spares: while someone saves often and will let go (:meth:`keep_spares`: a plugin, from its first save to its
+    teardown), a retired regular file of one link and at least ``SPARE_MIN_BYTES`` is not deleted but kept, one per
+    directory (a newer one replaces it), until the next save there takes it (:meth:`take`), the last keeper lets go
+    or :meth:`join` deletes it. A directory thus holds at most the files it held while a save was being written;
+    between saves, one more. A save nobody keeps spares for (a single call) leaves none."""
 
     def __init__(self) -> None:
         self._reset()
@@ -52,6 +55,7 @@ class Unlinker:
         self._started: threading.Thread | None = None  # the last one started: it may still be returning
         self._lock = threading.Lock()
         self._spares: dict[str, str] = {}  # directory -> a retired file its next save may write over
+        self._keepers = 0  # holders of :meth:`keep_spares`: spares are kept only while there is one
         self._exit_hook = False  # whether ``drain`` is registered with atexit
 
     def _this_process(self) -> None:
@@ -65,12 +69,31 @@ class Unlinker:
         self._this_process()
         spare = _may_be_spare(path)
         with self._lock:
-            if spare:  # kept; the spare it replaces is deleted instead
+            if spare and self._keepers:  # kept; the spare it replaces is deleted instead
                 directory = os.path.dirname(os.path.abspath(path))
                 path, self._spares[directory] = self._spares.get(directory, ""), path
             if path:
                 self._delete_later(path)
             self._hook_exit()
+
+    def keep_spares(self) -> Callable[[], None]:
+        """Keep spares until the returned function is called (once; the last holder's call deletes them)."""
+        self._this_process()
+        with self._lock:
+            self._keepers += 1
+        pid, held = os.getpid(), [True]
+
+        def let_go() -> None:
+            if not held or pid != os.getpid():  # once; and never a forked child's for its parent's hold
+                return
+            held.clear()
+            with self._lock:
+                self._keepers = max(0, self._keepers - 1)
+                last = not self._keepers
+            if last:
+                self._release_spares()
+
+        return let_go
 
     def take(self, directory: str, into: str) -> int | None:
         """Rename ``directory``'s spare to ``into`` (a save's temporary, to write over) and return its size; None
@@ -207,6 +230,11 @@ def drain_deletions(timeout: float | None = None) -> bool:
     thread), so that no hidden ``.old`` file is left in the folder when training ends; False when ``timeout``
     seconds passed first."""
     return UNLINKER.join(timeout)
+
+
+def keep_spares() -> Callable[[], None]:
+    """:meth:`Unlinker.keep_spares` of this process's unlinker."""
+    return UNLINKER.keep_spares()
 
 
 def wait_for_cleanup() -> None:
