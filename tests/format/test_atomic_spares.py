@@ -76,6 +76,18 @@ def test_a_replaced_checkpoint_is_written_over_by_the_next_save(tmp_path: Path) 
     assert atomic.drain_deletions() is True and hidden(tmp_path) == []
 
 
+def _open_in(pid: int, path: Path) -> str | None:
+    """The ``/proc`` link of the descriptor by which process ``pid`` has ``path`` open, if it has (a descriptor its
+    interpreter closes while it starts is passed over)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                return f"/proc/{pid}/fd/{fd}"
+        except OSError:
+            continue
+    return None
+
+
 def test_a_retired_file_another_process_reads_is_not_written_over(tmp_path: Path) -> None:
     old, new = tmp_path / "step=1.ckpt", tmp_path / "step=2.ckpt"
     save_checkpoint(contents(1), old)
@@ -83,11 +95,9 @@ def test_a_retired_file_another_process_reads_is_not_written_over(tmp_path: Path
     reader = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'rb'); sys.stdin.read()",
                                str(old)], stdin=subprocess.PIPE)
     try:
-        while not any(os.path.realpath(f"/proc/{reader.pid}/fd/{fd}") == str(old)
-                      for fd in os.listdir(f"/proc/{reader.pid}/fd")):
-            pass  # until the reader has it open
-        fd_path = next(f"/proc/{reader.pid}/fd/{fd}" for fd in os.listdir(f"/proc/{reader.pid}/fd")
-                       if os.path.realpath(f"/proc/{reader.pid}/fd/{fd}") == str(old))
+        fd_path = None
+        while fd_path is None:  # until the reader has it open
+            fd_path = _open_in(reader.pid, old)
         atomic.remove(str(old))
         save_checkpoint(contents(2), new)
         with open(fd_path, "rb") as again:  # the reader's open file: still the bytes that were saved
