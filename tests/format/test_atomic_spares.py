@@ -11,8 +11,6 @@ import mmap
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +27,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sp
 
 @pytest.fixture(autouse=True)
 def _fast_path(monkeypatch):
-    """Spares kept, as a plugin keeps them from its first save to its teardown (a test may let go earlier)."""
+    """Spares kept, as a plugin keeps them from its first save to its teardown."""
     monkeypatch.delenv(PORTABLE_IO_ENV, raising=False)
     atomic.wait_for_cleanup()
     let_go = atomic.keep_spares()
-    yield let_go
+    yield
     let_go()
     atomic.wait_for_cleanup()
 
@@ -147,26 +145,50 @@ def test_the_portable_path_keeps_no_spare(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 
-def _gone(directory: Path) -> list[str]:
-    """The hidden files of ``directory`` once the unlink thread is idle (the bound catches a hang only)."""
-    for _ in range(600):
-        if not hidden(directory):
+ALONE = r"""
+import os, sys, time
+import numpy as np
+from lightning_ort_ckpt.format import CheckpointContents, save_checkpoint
+from lightning_ort_ckpt.format import _atomic as atomic
+
+folder = sys.argv[1]
+path = os.path.join(folder, "last.ckpt")
+
+
+def contents(seed):
+    return CheckpointContents(trainable={"w": np.full(1 << 20, seed, dtype=np.float32)})
+
+
+def hidden():
+    for _ in range(600):  # until the unlink thread is idle (the bound catches a hang only)
+        names = [n for n in os.listdir(folder) if n.startswith(".")]
+        if not names:
             break
         time.sleep(0.1)
-    return hidden(directory)
+    return names
 
 
-def test_a_save_no_one_keeps_spares_for_leaves_none(tmp_path: Path, _fast_path: Callable[[], None]) -> None:
-    """A save when no plugin keeps spares (a single call) leaves no hidden file behind, without a drain: the retired
-    file is deleted as before. Kept while a keeper holds, a spare goes when the last one lets go."""
-    path = tmp_path / "last.ckpt"
-    second = atomic.keep_spares()  # two holders
-    save_checkpoint(contents(1), path)
-    save_checkpoint(contents(2), path)  # the first file retired: kept
-    _fast_path()
-    assert hidden(tmp_path) != []  # one holder is left
-    second()
-    assert _gone(tmp_path) == []  # the last one let go: the spare is deleted
-    save_checkpoint(contents(3), path)  # nobody keeps spares: the second file is deleted, not kept
-    assert _gone(tmp_path) == []
-    assert_same_checkpoint(load_checkpoint(path), contents(3))
+first, second = atomic.keep_spares(), atomic.keep_spares()  # two holders (two plugins between first save and teardown)
+save_checkpoint(contents(1), path)
+save_checkpoint(contents(2), path)  # the first file retired: kept
+first()
+kept = [n for n in os.listdir(folder) if n.startswith(".")]
+second()
+after_last = hidden()  # the last holder let go: the spare is deleted
+save_checkpoint(contents(3), path)  # nobody keeps spares: the second file is deleted, not kept
+print(len(kept), len(after_last), len(hidden()))
+"""
+
+
+def test_a_save_no_one_keeps_spares_for_leaves_none(tmp_path: Path) -> None:
+    """In a process of its own (no other holder): a spare is kept while a holder is left, deleted when the last
+    one lets go, and a save nobody keeps spares for (a single call) leaves no hidden file, without a drain."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    env.pop(PORTABLE_IO_ENV, None)
+    out = subprocess.run([sys.executable, "-c", ALONE, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "0", "0"], out.stdout
+    assert_same_checkpoint(load_checkpoint(tmp_path / "last.ckpt"),
+                           CheckpointContents(trainable={"w": np.full(1 << 20, 3, dtype=np.float32)}))
