@@ -147,8 +147,9 @@ class OrtCheckpointMixin(_Base):
         self.checkpoint_io.bind(trainer.strategy)
         if self.checkpoint_io.storage_options is not None and not self._store().local:
             _lightning_adapter.set_checkpoint_filesystem(self, str(self.dirpath), self.checkpoint_io.storage_options)
-        self._tier.setup(trainer, stage)  # first: a peer copy taken back there is "last"'s to find (_peer)
-        if self._tier.reads_last_at_setup(trainer) and self._resumption.choice is not None:
+        resuming = self._resumption.choice is not None  # "last" was asked
+        self._tier.setup(trainer, stage, resuming)  # first: a peer copy taken back there is "last"'s to find (_peer)
+        if self._tier.reads_last_at_setup(trainer) and resuming:
             _resolve_again(self, trainer)
         _agree_on_last(self, trainer, stage)
         _loggers.check_loggers(trainer)

@@ -11,12 +11,13 @@ the step, maybe none, to its partner and receives its own peer's), taken by ever
 so it cannot deadlock. A copy that falls behind by more than ``keep`` saves finds the file rotated out and sends
 nothing: the cost stays bounded, and the newest steps are copied.
 
-At ``setup``, before "last" is read: every rank says (one all-gather) which steps its fast folder and its peer
-folders hold; the newest of them is committed in every rank's own fast folder that lacks it, from the rank's own
-copy where it holds one, else over the group from a rank that does (:meth:`Peers.restore`): a replaced node's
-empty folder, and under DDP every node's folder but rank 0's, whose ranks then resume by rank 0's path from their
-own node. "last" finds it there: nothing of the persistent tier is read. Here, full-state saves (one file, written by global rank 0: DDP, one device, FSDP with
-full state); a sharded strategy's folders: ``_peer_folders``.
+At ``setup`` of a fit that resumes from "last", before "last" is read (a fit that does not takes nothing back): every
+rank says (one all-gather) which steps its fast folder and its peer folders hold; the newest of them is committed in
+every rank's own fast folder that lacks it, from the rank's own copy where it holds one, else over the group from a
+rank that does (:meth:`Peers.restore`): a replaced node's empty folder, and under DDP every node's folder but rank
+0's, whose ranks then resume by rank 0's path from their own node. "last" finds it there: nothing of the persistent
+tier is read. Here, full-state saves (one file, written by global rank 0: DDP, one device, FSDP with full state);
+a sharded strategy's folders: ``_peer_folders``.
 """
 
 from __future__ import annotations

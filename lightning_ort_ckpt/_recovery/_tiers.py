@@ -90,7 +90,7 @@ class NoTier:
 
     reads_remote_folders = True  # "last" reads a remote checkpoint folder's metadata for its step
 
-    def setup(self, trainer: Any, stage: str) -> None:
+    def setup(self, trainer: Any, stage: str, resuming: bool) -> None:
         pass
 
     def reads_last_at_setup(self, trainer: Any) -> bool:
@@ -134,9 +134,10 @@ class FastTier:
         self.saved_step: int | None = None  # the step of its newest save in this fit
         self.peers: Peers | None = None  # this fit's exchanges of peer copies (``peer=True``, several ranks)
 
-    def setup(self, trainer: Any, stage: str) -> None:
-        """A new fit: the folder made (on every node), a wiped one filled from the partner's peer copy, and on rank
-        0 the checkpoints there handed to retention, oldest step first, so that this fit's saves rotate them out."""
+    def setup(self, trainer: Any, stage: str, resuming: bool) -> None:
+        """A new fit: the folder made (on every node); where it resumes from "last" (``resuming``), a wiped one
+        filled from the partner's peer copy; and on rank 0 the checkpoints there handed to retention, oldest step
+        first, so that this fit's saves rotate them out."""
         if stage != "fit":
             return
         os.makedirs(self.dirpath, exist_ok=True)
@@ -144,7 +145,8 @@ class FastTier:
         if self.reads_last_at_setup(trainer):
             kind = FolderPeers if _strategies.kind(trainer.strategy) == "sharded" else Peers  # a folder, or a file
             self.peers = kind(self.dirpath, self.store, self.options.keep, self.extension, trainer)
-            self.peers.restore()
+            if resuming:  # (every rank alike: the same fit call)
+                self.peers.restore()
         elif self.options.peer and trainer.is_global_zero:
             warnings.warn("LocalTier(peer=True) with one process: there is no partner rank to copy to; the fast "
                           "tier saves as without it", CheckpointWarning, stacklevel=2)

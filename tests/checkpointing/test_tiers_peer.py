@@ -7,9 +7,10 @@ partner, rank 1, holds verified copies of both in ``fast1/peer-of-rank0/``. Then
 rank 0 replaced) and fit 2 resumes with ``ckpt_path="last"``: rank 0 takes step 6 back from rank 1 over the process
 group, resumes from it in its own fast folder, and ends bit for bit where an uninterrupted fit of 8 steps ends,
 without a single GET of an object from the persistent store; so does a resume with rank 1's folder emptied instead
-(it held only rank 0's copies, which it holds again after). With ``peer=False`` no process group is made, and none
-made for the copies, nor any thread, outlives the fit. With one process there is no partner: a warning, and the
-fast tier saves as without peer copies. (A sharded strategy's folders: test_tiers_peer_sharded.py.)
+(it held only rank 0's copies, which it holds again after); a fit that does not resume takes nothing back. With
+``peer=False`` no process group is made, and none made for the copies, nor any thread, outlives the fit. With one
+process there is no partner: a warning, and the fast tier saves as without peer copies. (A sharded strategy's
+folders: test_tiers_peer_sharded.py.)
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def fit(name, max_steps, peer=None, ckpt_path=None):
     weights = {k: v.flatten().tolist() for k, v in trainer.lightning_module.state_dict().items()}
     with open(os.path.join(OUT, f"{name}.rank{trainer.global_rank}.json"), "w") as f:
         json.dump({**record.seen, "weights": weights, "groups_after": groups(), "end": trainer.global_step,
-                   "new_threads": sorted({t.name for t in threading.enumerate()} - threads)}, f)
+                   "new_threads": sorted({t.name for t in threading.enumerate()} - threads),
+                   "fast_folder": peer and sorted(os.listdir(os.path.join(OUT, "fast" + str(RANK))))}, f)
 
 
 warnings.simplefilter("ignore")
@@ -68,6 +70,7 @@ elif PHASE == "resume":
     fit("fast-resume", 8, peer=True, ckpt_path="last")
     fit("fast-again", 10, peer=True, ckpt_path="last")  # nothing wiped: each rank's folder as it was left
 else:
+    fit("fast-fresh", 0, peer=True)  # a fit that does not resume: nothing taken back
     fit("fast-partner", 12, peer=True, ckpt_path="last")
 '''
 
@@ -118,12 +121,14 @@ def test_a_wiped_fast_folder_is_restored_from_the_partner_with_no_read_of_the_st
     assert sorted(p.name for p in fast0.iterdir()) == ["step=10.ckpt", "step=9.ckpt"]
     assert sorted(p.name for p in copies.iterdir()) == ["step=10.ckpt", "step=9.ckpt"]
 
-    # rank 1's node replaced instead: it held only rank 0's copies; rank 0 resumes from its own fast tier, reading
-    # no object, and rank 1 holds copies again
+    # rank 1's node replaced instead: it held only rank 0's copies. A fit that does not resume takes nothing back;
+    # then rank 0 resumes from its own fast tier, reading no object, and rank 1 holds copies again
     shutil.rmtree(fast1)
     fast1.mkdir()
     proxy.requests.clear()
     launch_script(script, [str(tmp_path), "partner", proxy.url, bucket], "the resume with the partner wiped", 900)
+    assert record(tmp_path, "fast-fresh", 1)["fast_folder"] == []
+    assert record(tmp_path, "fast-fresh", 0)["fast_folder"] == ["step=10.ckpt", "step=9.ckpt"]
     assert object_reads(proxy.requests) == [], proxy.requests
     partner = record(tmp_path, "fast-partner", 0)
     assert (partner["start"], partner["ckpt_path"], partner["end"]) == (10, str(fast0 / "step=10.ckpt"), 12)
