@@ -3,6 +3,9 @@ docs/testing.md)."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +13,7 @@ import pytest
 
 from lightning_ort_ckpt import OrtCheckpoint
 from lightning_ort_ckpt.format._atomic import _lock
+from lightning_ort_ckpt.format._local_store import LocalStore
 from lightning_ort_ckpt.format._platform import PORTABLE_IO_ENV, portable_io
 from helpers.fits import files_after_fit, fit, name
 from helpers.s3 import counted, proxy, s3_endpoint  # noqa: F401 (fixtures: moto's S3 server, a proxy before it)
@@ -22,6 +26,19 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     fit(OrtCheckpoint(dirpath=d), 1)
     assert files_after_fit(d) == {name(0, 4)}
     return d / name(0, 4)
+
+
+@pytest.fixture
+def memory_folder(tmp_path: Path) -> Iterator[Path]:
+    """A new folder on a memory file system (``/dev/shm``, where a fast tier usually lives), removed afterwards."""
+    if LocalStore().in_memory("/dev/shm/x"):
+        folder = Path(tempfile.mkdtemp(prefix=f"{tmp_path.name}-", dir="/dev/shm"))
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    else:  # (not Linux: no test here depends on it but those that say so)
+        pytest.skip("no memory file system at /dev/shm")
 
 
 @pytest.fixture(params=["native", "portable"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -19,6 +20,27 @@ from ._naming import data_path
 from ._urls import is_remote
 
 
+_MEMORY_FILE_SYSTEMS = {"tmpfs", "ramfs"}
+
+
+def file_system_type(folder: str) -> str | None:
+    """The type of the file system holding ``folder`` (Linux: the mount table's, for the longest mount point above
+    its real path); None where there is no mount table to read."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            table = [line.split() for line in mounts]
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(folder), "", None
+    for fields in table:
+        if len(fields) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])  # (a space: \040)
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
 class LocalStore:
     """Checkpoint files on the local file system (see ``_store.Store`` for each method's contract)."""
 
@@ -28,6 +50,14 @@ class LocalStore:
 
     def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
         """``storage_options`` are fsspec's, for URLs: the local disk takes none (they are ignored)."""
+        self._in_memory: dict[str, bool] = {}  # by folder: the mount table is read once per folder
+
+    def in_memory(self, path: str) -> bool:
+        folder = os.path.dirname(os.path.abspath(path))
+        found = self._in_memory.get(folder)
+        if found is None:
+            found = self._in_memory[folder] = file_system_type(folder) in _MEMORY_FILE_SYSTEMS
+        return found
 
     @classmethod
     def handles(cls, path: str | os.PathLike[str] | None) -> bool:

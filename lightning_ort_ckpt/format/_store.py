@@ -46,6 +46,11 @@ class Store(Protocol):
     local: bool
     """Whether its paths are the local file system's: :meth:`fetched` hands back the file itself (no download)."""
 
+    def in_memory(self, path: str) -> bool:
+        """Whether ``path`` is on a memory file system (tmpfs, ramfs): a write there is a copy into memory that no
+        disk slows down or throttles."""
+        ...
+
     def writing(self, path: str, *, with_data: bool, required_bytes: int,
                 link_data: Callable[[str], bool] | None = None) -> AbstractContextManager[SaveFiles]:
         """New files to stream into; on a clean exit they replace ``path`` (and its ``.data``) whole, ``.data``

@@ -54,7 +54,8 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str], *, store: Store | None = None,
                     external_data: ExternalData = "auto", checksums: bool = True,
                     shared: SharedFrozen | None = None,
-                    storage_options: StorageOptions | None = None) -> SavedData | None:
+                    storage_options: StorageOptions | None = None,
+                    when_read: Callable[[], None] | None = None) -> SavedData | None:
     """Write ``checkpoint`` to ``path`` atomically (``path + ".data"`` too when it uses external data) through
     ``store`` (``_store``; by default the store of ``path`` without options: the local disk for a path, fsspec's
     defaults for a URL such as ``s3://bucket/run/last.ckpt``; for credentials pass
@@ -75,6 +76,10 @@ def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str]
     put there is returned (None without ``shared``). The writer carries the plan out as given: where it cannot (no
     link here, a linked tensor's bytes changed, or the rest inline would pass 2 GiB: :class:`shared.SharedTooLarge`)
     it raises :class:`shared.NotShared` and commits nothing; what to save instead is the caller's choice.
+
+    ``when_read`` is called once every tensor's bytes have been read (written and hashed), before the commit, so
+    that a caller writing from tensors it must not change meanwhile can let them change again; an exception it
+    raises commits nothing.
     """
     path = os.fspath(path)
     if storage_options is not None:
@@ -87,11 +92,11 @@ def save_checkpoint(checkpoint: CheckpointContents, path: str | os.PathLike[str]
         store = store_for(path, storage_options)
     if shared is not None and (external_data != "auto" or not store.links):
         raise NotShared(path, [])
-    return _save(checkpoint, path, store, external_data, checksums, shared)
+    return _save(checkpoint, path, store, external_data, checksums, shared, when_read)
 
 
 def _save(checkpoint: CheckpointContents, path: str, store: Store, external_data: ExternalData, checksums: bool,
-          shared: SharedFrozen | None) -> SavedData | None:
+          shared: SharedFrozen | None, when_read: Callable[[], None] | None) -> SavedData | None:
     tensors = _Tensors(path)
     plan = _plan_for_mode(checkpoint, tensors, external_data, path, checksums, shared)
     link = shared.link if shared is not None and shared.link_from is not None else None
@@ -112,6 +117,8 @@ def _save(checkpoint: CheckpointContents, path: str, store: Store, external_data
             saved = _check_shared(shared, plan, tensors, files, digests, path) if shared is not None else None
             if plan.checksums is not None and record is None:
                 _write_at(files.main, hashing.record_offset, plan.checksums.fill(digests))
+            if when_read is not None:
+                when_read()
     except CheckpointSaveError:
         raise
     except OSError as e:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_ort_ckpt.errors import CorruptCheckpointError
+from lightning_ort_ckpt.errors import CheckpointSaveError, CorruptCheckpointError
 from lightning_ort_ckpt.format import CheckpointContents, load_checkpoint, save_checkpoint
 from lightning_ort_ckpt.format import _store
 from lightning_ort_ckpt.format._atomic import SaveFiles
@@ -108,3 +108,28 @@ def test_a_fifo_is_refused_by_the_local_store_without_waiting(tmp_path: Path) ->
     assert store.read_head(str(tmp_path / "missing.ckpt"), 8) == b"" and store.read_head(str(tmp_path), 8) == b""
     store.check_file(str(tmp_path / "missing.ckpt"))
     store.check_file(str(tmp_path))
+
+
+def test_a_store_says_whether_a_path_is_on_a_memory_file_system(memory_folder: Path) -> None:
+    """What decides whether an asynchronous save copies its tensors first (``_async_saver``): read off the mount
+    table for the local disk (a folder below a mount point, a space escaped in its name), never for a URL."""
+    local = LocalStore()
+    spaced = memory_folder / "a folder"
+    spaced.mkdir()
+    assert local.in_memory(str(memory_folder / "a.ckpt")) and local.in_memory(str(spaced / "b.ckpt"))
+    assert not local.in_memory("/proc/self/a.ckpt")  # proc: not a memory file system for files
+    assert not FsspecStore().in_memory("memory://run/a.ckpt")
+
+
+def test_when_read_is_called_once_the_tensors_are_read_and_an_error_there_commits_nothing(tmp_path: Path) -> None:
+    seen: list[bool] = []
+    save_checkpoint(small(), tmp_path / "a.ckpt", when_read=lambda: seen.append((tmp_path / "a.ckpt").exists()))
+    assert seen == [False]  # before the commit
+    assert load_checkpoint(tmp_path / "a.ckpt").trainable["w"].tolist() == list(range(12))
+
+    def refuse() -> None:
+        raise ValueError("changed meanwhile")
+
+    with pytest.raises(CheckpointSaveError, match="changed meanwhile.*previous checkpoint at this path.*unchanged"):
+        save_checkpoint(small(), tmp_path / "b.ckpt", when_read=refuse)
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt"]  # nothing of b, no debris
