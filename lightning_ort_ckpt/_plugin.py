@@ -169,10 +169,11 @@ class OrtCheckpointIOMixin(StrategyBinding):
         module = strategy.lightning_module if strategy is not None else None
         store = self.stores.of(path, storage_options)
         decided = self._sharing.decide(ck, path, module if self.share_frozen else None, self.external_data, store)
-        ck, keep = self._executor.own(
+        owned = self._executor.own(
             ck, path, _staging.optimizer_tensors(strategy.optimizers if module is not None else []),
-            module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, decided.keep)
-        self._executor.run(decided.write, ck, path, keep, store)
+            module.state_dict(keep_vars=True).values() if module is not None else [], self.wait, decided.keep,
+            direct=store.in_memory(path))  # (written at memory speed: _async_saver)
+        self._executor.run(decided.write, owned.contents, path, owned.keep, store, owned.when_read)
         if path != target:
             self._executor.run(_promotion.copy_verified, path, target, self.stores.of(target, storage_options))
         if _signals.must_be_durable(target):  # Lightning's requeue save: the job is requeued, and killed, next

@@ -4,6 +4,13 @@ thread, at once) or :class:`BackgroundSaves` (``async_save=True``: the tensors a
 was asked for, so nothing is deleted or linked before the file it depends on is durable: the
 :class:`BackgroundQueue`). Both are :class:`SaveExecutor`.
 
+A save to a memory file system (``/dev/shm``: ``Store.in_memory``, a fast tier's usual place) is written from the
+live tensors that only an optimizer step changes (``direct``): on CPU that skips a copy of the whole state per save,
+and its memory, and the next step waits until the write has read them (the writer calls the save's
+:attr:`Owned.when_read`), which there runs at memory speed, under that step's forward and backward pass. A save
+anywhere else is staged: a disk's writes, once the kernel's dirty-page limit is reached, and an upload run at the
+device's or network's speed, which the training steps must not wait for.
+
 It lives exactly as long as its plugin uses it: :meth:`BackgroundQueue.close` (the plugin's ``teardown``) waits for
 the queue, stops the thread and drops the ``atexit`` registration that otherwise finishes a save queued just before
 the program ends.
@@ -22,7 +29,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Collection, Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from . import _staging
 from ..format import CheckpointContents
@@ -31,8 +38,9 @@ _STOP = object()
 
 
 class BackgroundQueue:
-    """One thread running submitted calls in order; the first error stops the ones queued after it (a staging copy
-    queued after it is released with ``skipped()``), and is handed to the training thread by :meth:`take_error`."""
+    """One thread running submitted calls in order; the first error stops the ones queued after it, and is handed
+    to the training thread by :meth:`take_error`. A call or argument with ``skipped()`` (a staging job, which
+    optimizer steps may wait for) is released by it once the call ended, or was skipped."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -81,11 +89,12 @@ class BackgroundQueue:
             try:
                 if self._error is None:
                     fn(*args, **kwargs)
-                elif hasattr(fn, "skipped"):  # a staging copy: release the optimizer steps waiting for it
-                    fn.skipped()
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self._error = e
             finally:
+                for held in (fn, *args):  # a staging job: release the optimizer steps waiting for it, whatever
+                    if isinstance(held, _staging.Job):
+                        held.skipped()
                 self._queue.task_done()
 
 
@@ -94,13 +103,21 @@ Sources = Callable[[], "tuple[list[Any], list[Any]] | None"]
 """What a save will stage (the module's tensors, the optimizers), or None where it is not known (``Stager.prepare``)."""
 
 
+class Owned(NamedTuple):
+    """A save's contents as the write may read them (:meth:`SaveExecutor.own`)."""
+
+    contents: CheckpointContents
+    keep: Collection[str]  # the frozen tensors left as the live ones (``_sharing``)
+    when_read: Callable[[], None] | None  # for the write to call once it has read the tensors (``direct``)
+
+
 class SaveExecutor(Protocol):
     """How the plugin runs a save and the file work around it."""
 
     def own(self, contents: CheckpointContents, path: str, deferrable: Iterable[Any], live: Iterable[Any],
-            wait: Callable[[], None], keep: Collection[str]) -> tuple[CheckpointContents, Collection[str]]:
-        """``contents`` in memory that training does not change until the file is written, and the frozen tensors
-        of ``keep`` left as the live ones (``_sharing``)."""
+            wait: Callable[[], None], keep: Collection[str], direct: bool = False) -> Owned:
+        """``contents`` in memory that training does not change until the file is written (``direct``: or until
+        the write calls ``when_read``), and the frozen tensors of ``keep`` left as the live ones (``_sharing``)."""
 
     def run(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` after everything run before it."""
@@ -126,8 +143,8 @@ class InlineSaves:
     no error is ever left for later."""
 
     def own(self, contents: CheckpointContents, path: str, deferrable: Iterable[Any], live: Iterable[Any],
-            wait: Callable[[], None], keep: Collection[str]) -> tuple[CheckpointContents, Collection[str]]:
-        return contents, frozenset()
+            wait: Callable[[], None], keep: Collection[str], direct: bool = False) -> Owned:
+        return Owned(contents, frozenset(), None)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> None:
         fn(*args)
@@ -158,14 +175,17 @@ class BackgroundSaves:
         self._sources: Sources | None = None  # what saves stage, given by prepare
 
     def own(self, contents: CheckpointContents, path: str, deferrable: Iterable[Any], live: Iterable[Any],
-            wait: Callable[[], None], keep: Collection[str]) -> tuple[CheckpointContents, Collection[str]]:
+            wait: Callable[[], None], keep: Collection[str], direct: bool = False) -> Owned:
         """Staged copies; those of ``deferrable`` that the optimizers of ``prepare``'s sources hold wait for the
-        writer thread, and only those optimizers' steps wait for them (without sources, everything is copied now)."""
+        writer thread, and only those optimizers' steps wait for them (without sources, everything is copied now).
+        ``direct``: those on CPU are not copied; the steps wait for the write to read them (``when_read``)."""
         found = self._sources() if self._sources is not None else None
-        staged, copy_later = self._stager.stage(contents, path, deferrable, live, wait, keep,
-                                                found[1] if found is not None else ())
-        self.run(copy_later)  # the copies an optimizer step waits for, first on the thread
-        return staged, keep
+        staged, later = self._stager.stage(contents, path, deferrable, live, wait, keep,
+                                           found[1] if found is not None else (), direct)
+        if direct:
+            return Owned(staged, keep, later)  # the write runs it (the queue releases it, whatever happens)
+        self.run(later)  # the copies an optimizer step waits for, first on the thread
+        return Owned(staged, keep, None)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._queue is None:

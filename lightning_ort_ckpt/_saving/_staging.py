@@ -9,8 +9,9 @@ returns. :class:`Stager` makes those copies with these rules:
 - **Reused memory, allocated ahead** (``_staging_memory``, shared with the sharded layout): each save copies into the
   previous save's buffers. A copy into memory already touched runs at memcpy speed; into fresh memory it pays a page
   fault per page, which on VMs is slower than the disk. The first save's buffers are allocated and touched ahead of
-  it (:meth:`Stager.prepare`). Memory for CUDA tensors is page-locked (pinned), one block for the whole state, so
-  the GPU copies into it asynchronously; it is released by :meth:`Stager.close` (the plugin's ``teardown``).
+  it (:meth:`Stager.prepare`); a first save that writes directly (below) lets them go. Memory for CUDA tensors is
+  page-locked (pinned), one block for the whole state, so the GPU copies into it asynchronously; it is released by
+  :meth:`Stager.close` (the plugin's ``teardown``).
 - **Out of the training thread's way**: tensors that only an optimizer step changes (the parameters the optimizers
   hold, and the optimizers' state) are deferred: on CPU they are copied on the writer thread while training runs its
   next forward and backward pass; on CUDA they are copied from the GPU at once, but on a side stream that first waits
@@ -24,6 +25,11 @@ returns. :class:`Stager` makes those copies with these rules:
   enqueued on the side stream, the training stream waiting for them before its next kernel). If a deferred tensor
   is changed in place before its copy is done anyway (in-place edits outside ``optimizer.step``, seen by torch's
   version counter), the save fails loudly instead of writing a mix of two steps.
+
+**Direct writes** (``stage(direct=True)``: a save to a memory file system): the deferred tensors in CPU memory are not
+copied at all. The save writes them from where they are and its job runs once the write has read them (and hashed
+them), before the commit; the optimizer steps wait for that instead of a copy. One pass over the state's memory
+instead of two, and no staging memory for it: on a memory file system the write costs about what the copy did.
 
 Frozen parameters unchanged since the previous save call, which a save will most likely not write at all (their
 ``.data`` is linked: see ``sharing``), are not copied: the plugin names them in ``keep``.
@@ -131,9 +137,9 @@ class _Item:
 
 
 @dataclass(eq=False)
-class _Copy:
-    """The copies of one save to make or wait for on the writer thread, before its write; ``done`` is set when they
-    are made (or failed)."""
+class Job:
+    """The copies of one save to make or wait for on the writer thread, before its write (a direct write's: none to
+    make, run once the write has read its tensors); ``done`` is set when they are made (or failed)."""
 
     path: str
     pending: dict[int, list[_Item]]  # the stager's deferred copies not made yet, by source memory
@@ -147,7 +153,8 @@ class _Copy:
             # copies made here first: a step blocked on one of them must not wait behind a GPU copy
             for item in sorted(self.items, key=lambda i: not i.host):
                 if item.host:
-                    item.dest.copy_(item.source.detach())
+                    if item.dest is not item.source:  # (a direct write's tensor: read by the write already)
+                        item.dest.copy_(item.source.detach())
                     item.order.record()
                 else:
                     item.order.synchronize()
@@ -259,8 +266,10 @@ class Stager:
 
     def stage(self, ck: CheckpointContents, path: str, deferrable: Iterable[torch.Tensor], live: Iterable[torch.Tensor],
               wait_for_buffers: Callable[[], None], keep: Collection[str] = (),
-              optimizers: Sequence[torch.optim.Optimizer] = ()) -> tuple[CheckpointContents, _Copy]:
-        """``ck`` with every tensor replaced by a buffer of its own.
+              optimizers: Sequence[torch.optim.Optimizer] = (), direct: bool = False) -> tuple[CheckpointContents,
+                                                                                              Job]:
+        """``ck`` with every tensor replaced by a buffer of its own (``direct``: but the deferred ones in CPU memory,
+        written from where they are: the returned job then runs once the write has read them, not before it).
 
         Tensors that share memory with ``deferrable`` (parameters the optimizers hold, and their state) and that one
         of ``optimizers`` holds are copied by the returned job (run it on the writer thread, before the write; CUDA
@@ -273,15 +282,21 @@ class Stager:
         not write at all)."""
         self._hook(optimizers)
         entries = _entries(ck, keep)
-        specs = {where: _spec(t) for where, t in entries.items()}
-        chosen, reused, waited = self._memory.take(specs, wait_for_buffers)
         held = {t.data_ptr() for t in optimizer_tensors(optimizers)}
-        job = _Copy(path, self._pending, self._lock)
         defer = {t.data_ptr() for t in deferrable} & held
+        in_place = {where for where, t in entries.items()
+                    if direct and t.data_ptr() in defer and t.device.type == "cpu"}
+        specs = {where: _spec(t) for where, t in entries.items() if where not in in_place}
+        chosen, reused, waited = self._memory.take(specs, wait_for_buffers)
+        job = Job(path, self._pending, self._lock)
         live_memory = defer | {t.data_ptr() for t in live}
         sources, self._sources = self._sources, {}
         streams_waited: set[torch.device] = set()
         for where, t in entries.items():
+            if where in in_place:  # written from the live tensor; the optimizer's step waits for the write
+                job.items.append(_Item(where, t, t, HostOrder(), True, True, version_counter(t)))
+                chosen[where] = t
+                continue
             previous = sources.get(where)
             if not (where in reused and previous is not None and previous[0].data_ptr() == t.data_ptr()
                     and previous[0].device == t.device and previous[1:] == (version_counter(t), self._steps)):

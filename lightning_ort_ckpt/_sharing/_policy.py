@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,7 +65,8 @@ class FrozenSharing:
         return snap
 
     def save(self, ck: CheckpointContents, path: str, snap: Snapshot, external_data: ExternalData,
-             kept: Collection[str] = (), store: Store | None = None) -> None:
+             kept: Collection[str] = (), store: Store | None = None,
+             when_read: Callable[[], None] | None = None) -> None:
         """Write ``ck`` to ``path`` through ``store`` (one that ``links``; by default the path's own) sharing what a
         copy of the directory holds unchanged, and remember what this save holds. ``kept``: frozen parameters of
         ``ck`` that are the live ones, not staged copies (an asynchronous save); those this save writes after all
@@ -76,7 +77,7 @@ class FrozenSharing:
         copies.begin()
         store = store if store is not None else store_for(path)
         try:
-            self._save(ck, path, store, snap, external_data, kept, copies)
+            self._save(ck, path, store, snap, external_data, kept, copies, when_read)
         except BaseException:
             copies.forget()
             raise
@@ -84,7 +85,7 @@ class FrozenSharing:
             snap.tensors.clear()
 
     def _save(self, ck: CheckpointContents, path: str, store: Store, snap: Snapshot, external_data: ExternalData,
-              kept: Collection[str], copies: Copies) -> None:
+              kept: Collection[str], copies: Copies, when_read: Callable[[], None] | None) -> None:
         chosen, spec = copies.choose(ck, snap, self._volatile, self.trust_parameters, path)
         copied: set[str] = set()
         while True:
@@ -93,12 +94,12 @@ class FrozenSharing:
                 ck.frozen[name] = copy_unchanged(tensor(ck, name), snap, name, path)
                 copied.add(name)
             try:
-                saved = save_checkpoint(ck, path, store=store, external_data=external_data,
+                saved = save_checkpoint(ck, path, store=store, external_data=external_data, when_read=when_read,
                                         shared=spec if not linked or spec is None else
                                         replace(spec, changed_since_asked=lambda n: not snap.still_live(n)))
                 break
             except SharedTooLarge:  # the rest inline would pass 2 GiB: this save is written whole, as "auto" does
-                saved = save_checkpoint(ck, path, store=store, external_data=external_data)
+                saved = save_checkpoint(ck, path, store=store, external_data=external_data, when_read=when_read)
                 break
             except NotShared as e:  # no link here, or tensors that changed unseen
                 # a buffer is never shared again (a forward pass changes it unseen: BatchNorm's statistics); a
@@ -138,9 +139,11 @@ class Decision:
     def keep(self) -> frozenset[str]:
         return frozenset(self.snap.keep) if self.snap is not None else frozenset()
 
-    def write(self, ck: CheckpointContents, path: str, kept: Collection[str], store: Store) -> None:
-        """Write ``ck`` to ``path``; ``kept``: the frozen parameters of :attr:`keep` that it holds live, not staged."""
+    def write(self, ck: CheckpointContents, path: str, kept: Collection[str], store: Store,
+              when_read: Callable[[], None] | None = None) -> None:
+        """Write ``ck`` to ``path``; ``kept``: the frozen parameters of :attr:`keep` that it holds live, not staged;
+        ``when_read``: ``format.save_checkpoint``'s, for the write that commits."""
         if self.snap is None:
-            save_checkpoint(ck, path, store=store, external_data=self.external_data)
+            save_checkpoint(ck, path, store=store, external_data=self.external_data, when_read=when_read)
         else:
-            self.sharing.save(ck, path, self.snap, self.external_data, kept, store)
+            self.sharing.save(ck, path, self.snap, self.external_data, kept, store, when_read)

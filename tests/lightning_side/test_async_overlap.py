@@ -5,8 +5,9 @@ plugin's writer queue before the save, so the deferred copy cannot be made until
 next forward and backward pass meanwhile; the test checks that the optimizer step is then blocked in the staging
 wait (its update not made), releases the writer, and reads the file: it holds the save step's parameters and
 optimizer state, not the later ones. Covered: bfloat16 and float16 parameters, fused and foreach AdamW, gradient
-accumulation, and two optimizers (a step waits for the copies of its own tensors only). The staging memory is
-allocated ahead of the first save and freed at teardown. The CUDA branch's order of operations (side stream, one
+accumulation, and two optimizers (a step waits for the copies of its own tensors only); a save to a memory file
+system, written from the live tensors (the step waits for the write). The staging memory is allocated ahead of the
+first save and freed at teardown. The CUDA branch's order of operations (side stream, one
 event per tensor, the step's stream waiting for its own tensors' events, the writer synchronizing) runs on CPU with
 stand-ins for torch.cuda's streams and events. The tests marked ``cuda`` run on a GPU (the copy then runs on a side
 stream and the step waits on the GPU, not on the CPU) and are skipped only where there is none.
@@ -134,14 +135,14 @@ class GateWriter(pl.Callback):
 
 
 def gated_fit(tmp_path: Path, module: Net, device: str = "cpu", expect_block: bool = True,
-              **trainer_kwargs: Any) -> tuple[GateWriter, OrtCheckpointIO, Path]:
+              more: tuple[pl.Callback, ...] = (), **trainer_kwargs: Any) -> tuple[GateWriter, OrtCheckpointIO, Path]:
     pl.seed_everything(0, verbose=False)
     gate = GateWriter(expect_block)
     io = OrtCheckpointIO(async_save=True)
     # the gated save is the first: it copies into memory allocated ahead, so it waits for no earlier save (which
     # would wait for the gate)
     callback = OrtCheckpoint(tmp_path, every_n_train_steps=SAVE_STEP, save_top_k=-1, filename="{step}")
-    trainer = pl.Trainer(max_steps=5, callbacks=[gate, callback], plugins=[io], accelerator=device, devices=1,
+    trainer = pl.Trainer(max_steps=5, callbacks=[gate, *more, callback], plugins=[io], accelerator=device, devices=1,
                          logger=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
     trainer.fit(module, data())
     return gate, io, tmp_path / f"step={SAVE_STEP}.ckpt"
@@ -166,6 +167,20 @@ def test_file_holds_the_save_step_while_the_next_step_waits(tmp_path: Path, dtyp
     gate, _, path = gated_fit(tmp_path, module)
     assert gate.seen == {"forward ran": True, "blocked": True, "unchanged while blocked": True}
     assert_holds_save_step(gate, path, module)
+
+
+@pytest.mark.parametrize("dtype, optimizer", [(torch.float32, "foreach"), (torch.bfloat16, "fused")])
+def test_a_save_to_memory_is_written_from_the_live_tensors_while_the_next_step_waits(
+        memory_folder: Path, dtype: torch.dtype, optimizer: str) -> None:
+    """On a memory file system the save writes the parameters and the optimizer's state from where they are (no
+    staging copy of them, no memory for one): the next step waits for the write, and the file holds the save step."""
+    module = Net(dtype, optimizer)
+    staged = Counts()
+    gate, io, path = gated_fit(memory_folder, module, more=(staged,))
+    assert gate.seen == {"forward ran": True, "blocked": True, "unchanged while blocked": True}
+    assert_holds_save_step(gate, path, module)
+    names = {n for n, _ in module.named_parameters()}
+    assert staged.staged and not [n for n in staged.staged if n in names or "/momentum" in n]  # Lightning's only
 
 
 def test_gradient_accumulation(tmp_path: Path) -> None:

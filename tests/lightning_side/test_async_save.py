@@ -76,14 +76,21 @@ def tensors_of(ck: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_async_files_hold_exactly_their_step(tmp_path: Path) -> None:
+def folder(where: str, tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """``tmp_path`` (a disk: saves staged), or on a memory file system (saves written from the live tensors)."""
+    return tmp_path if where == "disk" else request.getfixturevalue("memory_folder")
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_async_files_hold_exactly_their_step(tmp_path: Path, where: str, request: pytest.FixtureRequest) -> None:
+    out = folder(where, tmp_path, request)
     fit(tmp_path / "sync", async_save=False, save_last=True)
-    fit(tmp_path / "async", async_save=True, save_last=True)
+    fit(out / "async", async_save=True, save_last=True)
     atomic.wait_for_cleanup()  # replaced files are unlinked in the background
     names = sorted(os.listdir(tmp_path / "sync"))
-    assert names == sorted(os.listdir(tmp_path / "async")) and len(names) == 7  # 6 steps and last.ckpt
+    assert names == sorted(os.listdir(out / "async")) and len(names) == 7  # 6 steps and last.ckpt
     for name in names:
-        a, b = tensors_of(load_checkpoint(tmp_path / "sync" / name)), tensors_of(load_checkpoint(tmp_path / "async" / name))
+        a, b = tensors_of(load_checkpoint(tmp_path / "sync" / name)), tensors_of(load_checkpoint(out / "async" / name))
         assert a.keys() == b.keys() and len(a) > 10
         for key in a:
             assert torch.equal(a[key], b[key]), (name, key)
@@ -165,7 +172,12 @@ class StallWriter(pl.Callback):
             trainer.strategy.checkpoint_io._executor.run(time.sleep, 1.0)
 
 
-def test_in_place_change_during_pending_copy_fails_loudly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_in_place_change_during_pending_copy_fails_loudly(tmp_path: Path, where: str,
+                                                         request: pytest.FixtureRequest) -> None:
+    """Also where the save writes from the live tensors (memory): the write is not committed, and the optimizer
+    step that waited for it goes on (the error is raised at the next save, not a hang)."""
+    tmp_path = folder(where, tmp_path, request)
     callback = OrtCheckpoint(tmp_path, every_n_train_steps=1, save_top_k=-1, async_save=True)
     trainer = pl.Trainer(max_steps=3, callbacks=[StallWriter(), callback], accelerator="cpu", devices=1,
                          logger=False, enable_progress_bar=False, enable_model_summary=False)
