@@ -14,7 +14,6 @@ groups, parameters and momentums sorted, properties sorted across the bag, then 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import math
 import os
