@@ -21,7 +21,7 @@ from typing import Any
 
 
 from helpers.launching import SHARDED_NET, launch_nodes
-from helpers.peers import NODES_HEAD, SCRIPT_HEAD, new_bucket, object_reads, record
+from helpers.peers import NODES_HEAD, SCRIPT_HEAD, new_bucket, object_reads, record, step_listing
 from lightning_ort_ckpt import load_checkpoint
 
 SCRIPT = SCRIPT_HEAD + SHARDED_NET + r'''
@@ -60,12 +60,6 @@ else:
 '''
 
 
-def _listing(folder: Path) -> dict[str, list[str]]:
-    """Each step folder's files, the save id left out (``shard-<id>-00001.odtc`` as ``shard-00001``)."""
-    return {d.name: sorted(f.name if not f.name.startswith("shard-") else f"shard-{f.name[-10:-5]}"
-                           for f in d.iterdir()) for d in sorted(folder.iterdir()) if d.name.startswith("step=")}
-
-
 def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the_store(tmp_path: Path,
                                                                                        counted: Any) -> None:
     proxy = counted
@@ -79,10 +73,10 @@ def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the
     fast0, fast1 = nodes[0] / "fast", nodes[1] / "fast"
     meta = "checkpoint.ort-meta"
     steps = ("step=5.ckpt", "step=6.ckpt")
-    assert _listing(fast0) == {s: [meta, "shard-00000"] for s in steps}
-    assert _listing(fast1) == {s: ["shard-00001"] for s in steps}
-    assert _listing(fast1 / "peer-of-rank0") == {s: [meta, "shard-00000"] for s in steps}
-    assert _listing(fast0 / "peer-of-rank1") == {s: ["shard-00001"] for s in steps}
+    assert step_listing(fast0) == {s: [meta, "shard-00000"] for s in steps}
+    assert step_listing(fast1) == {s: ["shard-00001"] for s in steps}
+    assert step_listing(fast1 / "peer-of-rank0") == {s: [meta, "shard-00000"] for s in steps}
+    assert step_listing(fast0 / "peer-of-rank1") == {s: ["shard-00001"] for s in steps}
     for own, copies in ((fast0, fast1 / "peer-of-rank0"), (fast1, fast0 / "peer-of-rank1")):
         for step in steps:
             for f in (own / step).iterdir():
@@ -106,8 +100,8 @@ def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the
         assert (partner["start"], partner["ckpt_path"], partner["end"]) == (8, "/proc/self/cwd/fast/step=8.ckpt", 10)
         assert partner["weights"]["10"] == reference["weights"]["10"]
     # and every folder is rotated to its newest 2 steps, copies included
-    assert set(_listing(fast0)) == set(_listing(fast1)) == {"step=9.ckpt", "step=10.ckpt"}
-    assert set(_listing(fast1 / "peer-of-rank0")) == set(_listing(fast0 / "peer-of-rank1")) == \
+    assert set(step_listing(fast0)) == set(step_listing(fast1)) == {"step=9.ckpt", "step=10.ckpt"}
+    assert set(step_listing(fast1 / "peer-of-rank0")) == set(step_listing(fast0 / "peer-of-rank1")) == \
         {"step=9.ckpt", "step=10.ckpt"}
 
 
