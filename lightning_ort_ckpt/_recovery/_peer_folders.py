@@ -50,14 +50,14 @@ class FolderPeers(Peers):
                 self._rotate_steps(self.dirpath, step)
 
     def _own_files(self, path: str) -> list[str]:
-        """The shard files this rank wrote into ``path`` (their ``.data`` travel with them), then the metadata
-        where this rank committed it."""
+        """The shard files this rank wrote into ``path`` (their ``.data`` travel with them), then, on rank 0, the
+        metadata it committed (the other ranks of its node see it there too)."""
         try:
             names = os.listdir(path)
         except FileNotFoundError:  # rotated out before its copy: nothing to send
             return []
         shards = sorted(n for n in names if n.endswith(f"-{self.rank:05d}.odtc"))
-        return shards + ([METADATA_NAME] if METADATA_NAME in names else [])
+        return shards + ([METADATA_NAME] if self.rank == 0 and METADATA_NAME in names else [])
 
     # -- at setup ---------------------------------------------------------------------------------------------
     def restore(self) -> None:

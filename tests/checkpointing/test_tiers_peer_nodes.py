@@ -21,8 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from helpers.launching import DDP_NET, SHARDED_NET, launch_nodes
-from helpers.peers import NODES_HEAD, SCRIPT_HEAD, new_bucket, object_reads, record
+from helpers.peers import NODES_HEAD, SCRIPT_HEAD, new_bucket, object_reads, record, step_listing
 from helpers.sharded import CPU_FSDP
+from lightning_ort_ckpt import load_checkpoint
 
 SCRIPT = SCRIPT_HEAD + DDP_NET + SHARDED_NET + CPU_FSDP + r'''
 import torch.distributed as dist
@@ -126,6 +127,48 @@ def _fits(tmp_path: Path, proxy: Any, kind: str, per_node: int, first: Callable[
         assert resumed["weights"]["8"] == reference["weights"]["8"], rank  # bit for bit
         assert (partner["start"], partner["ckpt_path"], partner["end"]) == (8, "/proc/self/cwd/fast/step=8.ckpt", 10)
         assert partner["weights"]["10"] == reference["weights"]["10"], rank
+
+
+def test_ddp_with_two_ranks_a_node(tmp_path: Path, counted: Any) -> None:
+    """Rank 0 writes the fast tier in node 0's folder; rank 2, its partner, holds the copies in node 1's; ranks 1
+    and 3 send and hold nothing."""
+    def first(fast0: Path, fast1: Path) -> None:
+        assert _names(fast0) == list(STEPS)
+        assert _names(fast1) == ["peer-of-rank0"]
+        for step in STEPS:
+            assert (fast1 / "peer-of-rank0" / step).read_bytes() == (fast0 / step).read_bytes()
+            load_checkpoint(fast1 / "peer-of-rank0" / step)  # every checksum verified
+
+    _fits(tmp_path, counted, "ddp", 2, first)
+    fast0, fast1 = tmp_path / "node0" / "fast", tmp_path / "node1" / "fast"
+    assert _names(fast0) == ["step=10.ckpt", "step=9.ckpt"]
+    assert _names(fast1 / "peer-of-rank0") == ["step=10.ckpt", "step=9.ckpt"]
+
+
+def test_model_parallel_with_two_ranks_a_node(tmp_path: Path, counted: Any) -> None:
+    """Each node's step folder holds its own two ranks' shards (node 0's the metadata, committed by rank 0); each
+    rank's partner on the other node holds a copy of its own files: the metadata only rank 0's."""
+    def first(fast0: Path, fast1: Path) -> None:
+        assert step_listing(fast0) == {s: [META, "shard-00000", "shard-00001"] for s in STEPS}
+        assert step_listing(fast1) == {s: ["shard-00002", "shard-00003"] for s in STEPS}
+        assert step_listing(fast1 / "peer-of-rank0") == {s: [META, "shard-00000"] for s in STEPS}
+        assert step_listing(fast1 / "peer-of-rank1") == {s: ["shard-00001"] for s in STEPS}
+        assert step_listing(fast0 / "peer-of-rank2") == {s: ["shard-00002"] for s in STEPS}
+        assert step_listing(fast0 / "peer-of-rank3") == {s: ["shard-00003"] for s in STEPS}
+        for step in STEPS:
+            for own, copies in ((fast0, fast1), (fast1, fast0)):
+                for f in (own / step).iterdir():
+                    rank = 0 if f.name == META else int(f.name[-10:-5])
+                    assert (copies / f"peer-of-rank{rank}" / step / f.name).read_bytes() == f.read_bytes(), f
+
+    _fits(tmp_path, counted, "mp", 2, first)
+    fast0, fast1 = tmp_path / "node0" / "fast", tmp_path / "node1" / "fast"
+    last = ("step=10.ckpt", "step=9.ckpt")  # and every folder rotated to its newest 2 steps, copies included
+    assert step_listing(fast0) == {s: [META, "shard-00000", "shard-00001"] for s in last}
+    assert step_listing(fast1) == {s: ["shard-00002", "shard-00003"] for s in last}
+    assert step_listing(fast1 / "peer-of-rank0") == {s: [META, "shard-00000"] for s in last}
+    assert step_listing(fast1 / "peer-of-rank1") == {s: ["shard-00001"] for s in last}
+    assert step_listing(fast0 / "peer-of-rank2") == {s: ["shard-00002"] for s in last}
 
 
 def test_fsdp_full_state_across_two_nodes(tmp_path: Path, counted: Any) -> None:
