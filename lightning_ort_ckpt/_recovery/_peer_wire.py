@@ -116,6 +116,12 @@ class Wire:
         dist.all_gather(every, padded, group=self.group)
         return [json.loads(t[:int(s.item())].numpy().tobytes()) for t, s in zip(every, sizes)]
 
+    def barrier(self) -> None:
+        """Every rank here (bounded by the group's timeout)."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
     def _both(self, out: Any, to: int, into: Any, frm: int) -> None:
         """Send ``out`` to ``to`` while ``into`` is received from ``frm`` (either may be None)."""
         import torch.distributed as dist

@@ -127,12 +127,12 @@ def test_the_newest_step_held_whole_is_chosen_and_each_missing_file_comes_from_t
                        {"5": shards})]
     assert _newest_whole(reports) == (5, shards)
     held = [r["held"] for r in reports]
-    assert plan(held, "5", "step=5.ckpt", shards) == [
+    assert plan(held, "5", "step=5.ckpt", shards, [0, 1]) == [
         (1, 0, "peer-of-rank0/step=5.ckpt/" + shards[0]),  # over the group, from node 1's copy
         (1, 0, "step=5.ckpt/" + shards[1]),  # over the group, from node 1's own folder
         (1, 1, "peer-of-rank0/step=5.ckpt/" + shards[0]),  # on node 1, from its own copy
     ]
-    assert plan(held, "5", "step=5.ckpt", [META]) == [(1, 0, f"peer-of-rank0/step=5.ckpt/{META}"),
+    assert plan(held, "5", "step=5.ckpt", [META], [0, 1]) == [(1, 0, f"peer-of-rank0/step=5.ckpt/{META}"),
                                                       (1, 1, f"peer-of-rank0/step=5.ckpt/{META}")]
     # a step whose metadata no rank holds, or one of whose shards no rank holds, is never chosen
     assert _newest_whole([_report({"": {"6": later}})]) is None
@@ -144,5 +144,23 @@ def test_a_file_checkpoint_is_planned_to_every_rank_that_lacks_it() -> None:
 
     # DDP: rank 0 wrote step 6; rank 1 holds its copy; rank 2 (a third node) holds nothing
     held = [{"": {"6": "step=6.ckpt"}}, {"": {}, "peer-of-rank0": {"6": "step=6.ckpt"}}, {"": {}}]
-    assert plan(held, "6", "step=6.ckpt", ["step=6.ckpt"]) == [(1, 1, "peer-of-rank0/step=6.ckpt"),
+    assert plan(held, "6", "step=6.ckpt", ["step=6.ckpt"], [0, 1, 2]) == [(1, 1, "peer-of-rank0/step=6.ckpt"),
                                                                (0, 2, "step=6.ckpt")]
+
+
+def test_a_folder_several_ranks_share_is_filled_by_its_lowest_rank_alone(tmp_path: Path) -> None:
+    """Two ranks of a node share its fast folder: its lowest rank (its keeper) alone commits into it, so that no
+    two ranks commit the same file into one folder at once (``test_tiers_peer_nodes.py`` runs it)."""
+    from lightning_ort_ckpt._recovery._peer import folder_identity, plan
+
+    # DDP, 2 nodes of 2 ranks: node 0 (ranks 0, 1) replaced; node 1's folder (ranks 2, 3) holds rank 0's copy
+    node1 = {"": {}, "peer-of-rank0": {"6": "step=6.ckpt"}}
+    held = [{"": {}}, {"": {}}, node1, node1]
+    assert plan(held, "6", "step=6.ckpt", ["step=6.ckpt"], [0, 0, 2, 2]) == [(2, 0, "peer-of-rank0/step=6.ckpt"),
+                                                                             (2, 2, "peer-of-rank0/step=6.ckpt")]
+    # which folder a path is: one folder by two paths is one; two folders are two
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    assert folder_identity(str(tmp_path / "link")) == folder_identity(str(tmp_path / "a"))
+    assert folder_identity(str(tmp_path / "b")) != folder_identity(str(tmp_path / "a"))
