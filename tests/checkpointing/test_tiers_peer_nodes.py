@@ -122,6 +122,7 @@ def _fits(tmp_path: Path, proxy: Any, kind: str, per_node: int, first: Callable[
     assert any("list-type=" in r for r in proxy.requests)  # it did look at the persistent tier
     for rank in range(2 * per_node):
         reference = record(tmp_path, "reference", rank)
+        assert len(reference["weights"]["8"]) == 4, rank  # every rank gathered the whole module
         resumed, partner = record(tmp_path, "fast-resume", rank), record(tmp_path, "fast-partner", rank)
         assert (resumed["start"], resumed["ckpt_path"], resumed["end"]) == (6, "/proc/self/cwd/fast/step=6.ckpt", 8)
         assert resumed["weights"]["8"] == reference["weights"]["8"], rank  # bit for bit
