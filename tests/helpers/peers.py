@@ -1,5 +1,6 @@
-"""What the peer-copy tests share (``test_tiers_peer.py``, ``test_tiers_peer_sharded.py``): the head of their child
-scripts, and reading back what the ranks recorded and what the persistent store was asked."""
+"""What the peer-copy tests share (``test_tiers_peer.py``, ``test_tiers_peer_sharded.py``,
+``test_tiers_peer_nodes.py``): the head of their child scripts, and reading back what the ranks recorded, what the
+persistent store was asked and what the fast folders hold."""
 
 from __future__ import annotations
 
