@@ -95,7 +95,7 @@ class Peers:
             step, name = max(held)
             for src, dst, where in plan(reports, str(step), name, [name], self.keepers):
                 self.transfer(src, dst, where, name)
-        self.wire.barrier()  # a rank that is no keeper reads its folder once its keeper has filled it
+        self.wire.barrier()  # a rank that is no keeper lists its folder (for "last") once its keeper filled it
 
     def _holdings(self) -> dict[str, dict[str, str]]:
         """Where this rank holds which step: {"" (its own folder) or a peer folder's name: {step: file name}}."""
