@@ -100,6 +100,7 @@ FILE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_sharded_resume.py": ("trainer", "multiprocess", "s3"),
     "test_tiers_peer.py": ("trainer", "multiprocess", "s3"),
     "test_tiers_peer_sharded.py": ("trainer", "multiprocess", "s3"),
+    "test_tiers_peer_nodes.py": ("trainer", "multiprocess", "s3"),
     "test_remote_storage.py": ("trainer", "s3", "ort"),
     "test_failures_reported.py": ("trainer", "s3"),
     "test_lightning_ort_interop.py": ("trainer", "ort"),

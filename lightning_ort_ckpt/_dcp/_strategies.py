@@ -16,7 +16,8 @@ wrap itself is ``_lightning_adapter``'s):
   fills them through ``load_sharded``: at the same world size exactly the saved state, at another one the same
   tensors resharded (random states are restored on the ranks that saved them);
 - **full state** (``save_distributed_checkpoint=False``, ``state_dict_type="full"``): Lightning gathers the state on
-  every rank and rank 0 writes it through the plugin, one ORT file; every rank loads that file and hands the full
+  every rank and rank 0 writes it through the plugin, one ORT file (to a URL as the base ``Strategy`` does: the
+  strategies' own ``save_checkpoint`` would turn it into a local path); every rank loads that file and hands the full
   state to ``set_model_state_dict`` / ``set_optimizer_state_dict``, which keep each rank's shard.
 
 Every other strategy (DDP, single device...) saves through the ``CheckpointIO``; one of several processes (DDP) has
@@ -130,8 +131,13 @@ def attach(strategy: Any, plugin: Plugin) -> Attachment | None:
                                                                storage_options, stager if plugin.async_save
                                                                else None), defer=True)
         else:  # Lightning's own: rank 0 writes the gathered state through the plugin, with every rank's random states
-            original({**checkpoint, RANKS_RNG_KEY: gather_random_states(served)}, filepath,
-                     storage_options=storage_options)
+            full = {**checkpoint, RANKS_RNG_KEY: gather_random_states(served)}
+            if plugin.stores.of(str(filepath)).local:
+                original(full, filepath, storage_options=storage_options)
+            else:  # Lightning's makes a URL a local path (``Path("s3://b/k")``: ``s3:/b/k``); what it does then:
+                target = served.broadcast(filepath)
+                if served.is_global_zero:
+                    served.checkpoint_io.save_checkpoint(full, target, storage_options=storage_options)
 
     def load(original: Any, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         from ._dcp_folder import is_sharded_checkpoint

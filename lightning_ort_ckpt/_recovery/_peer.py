@@ -11,11 +11,16 @@ the step, maybe none, to its partner and receives its own peer's), taken by ever
 so it cannot deadlock. A copy that falls behind by more than ``keep`` saves finds the file rotated out and sends
 nothing: the cost stays bounded, and the newest steps are copied.
 
+The ranks of a node share its fast folder (a node-local disk). Each folder has one keeper, the lowest rank whose
+folder it is (found at ``setup``: one all-gather of which folder each rank's is, :func:`folder_identity`): it
+alone commits what ``setup`` takes back into the folder and rotates it, so that no two ranks commit the same file
+into one folder, nor remove it, at once. A rank's copies (``peer-of-rank<r>/``: ``r`` its source) are its own.
+
 At ``setup`` of a fit that resumes from "last", before "last" is read (a fit that does not takes nothing back): every
 rank says (one all-gather) which steps its fast folder and its peer folders hold; the newest of them is committed in
-every rank's own fast folder that lacks it, from the rank's own copy where it holds one, else over the group from a
-rank that does (:meth:`Peers.restore`): a replaced node's empty folder, and under DDP every node's folder but rank
-0's, whose ranks then resume by rank 0's path from their own node. "last" finds it there: nothing of the persistent
+every fast folder that lacks it, by its keeper, from a copy in the folder where it holds one, else over the group
+from a rank that does (:meth:`Peers.restore`): a replaced node's empty folder, and under DDP every node's folder but
+rank 0's, whose ranks then resume by rank 0's path from their own node. "last" finds it there: nothing of the persistent
 tier is read. Here, full-state saves (one file, written by global rank 0: DDP, one device, FSDP with full state);
 a sharded strategy's folders: ``_peer_folders``.
 """
@@ -23,6 +28,7 @@ a sharded strategy's folders: ``_peer_folders``.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 from ._peer_wire import Wire
@@ -48,6 +54,9 @@ class Peers:
         self.layout = (trainer.num_devices, trainer.num_nodes)  # devices per node, nodes
         self.partner, self.source = partners(self.rank, self.world_size, *self.layout)
         self.wire = Wire(store, self.world_size)
+        folders = self.wire.gather(folder_identity(dirpath))
+        self.keepers = [folders.index(folder) for folder in folders]  # each rank's folder's keeper (module doc)
+        self.keeper = self.keepers[self.rank]
         self.queue = BackgroundQueue()  # the exchanges, in the order of the saves
 
     def close(self) -> None:
@@ -71,21 +80,22 @@ class Peers:
         folder = self.store.join(self.dirpath, f"{PEER_PREFIX}{self.source}")
         if self.wire.exchange(to=self.partner, frm=self.source, outgoing=mine, folder=folder):
             self._rotate(folder)
-        if self.rank != 0:  # what setup copied here (rank 0's folder rotates with the fast tier's ledger)
-            self._rotate(self.dirpath)
+        if self.rank == self.keeper != 0:  # what setup copied here (rank 0's folder rotates with the fast tier's
+            self._rotate(self.dirpath)  # ledger)
 
     # -- at setup ---------------------------------------------------------------------------------------------
     def restore(self) -> None:
-        """The newest step of any rank's fast folder or copies, committed in every rank's own fast folder that
-        lacks it (a wiped one's; under DDP, every node's but rank 0's, which resume from it by rank 0's path):
-        copied from the rank's own copies where it holds it, else sent by a rank that does (every rank alike: one
-        all-gather of what each holds, then the transfers in one order)."""
+        """The newest step of any rank's fast folder or copies, committed in every fast folder that lacks it (a
+        wiped one's; under DDP, every node's but rank 0's, which resume from it by rank 0's path) by its keeper:
+        copied from a copy in the folder where it holds it, else sent by a rank that does (every rank alike: one
+        all-gather of what each holds, then the transfers in one order); every folder done when it returns."""
         reports = self.wire.gather(self._holdings())
         held = [(int(step), name) for report in reports for place in report.values() for step, name in place.items()]
         if held:
             step, name = max(held)
-            for src, dst, where in plan(reports, str(step), name, [name]):
+            for src, dst, where in plan(reports, str(step), name, [name], self.keepers):
                 self.transfer(src, dst, where, name)
+        self.wire.barrier()  # a rank that is no keeper lists its folder (for "last") once its keeper filled it
 
     def _holdings(self) -> dict[str, dict[str, str]]:
         """Where this rank holds which step: {"" (its own folder) or a peer folder's name: {step: file name}}."""
@@ -118,18 +128,34 @@ class Peers:
             self.store.remove(path)
 
 
-def plan(reports: list[dict[str, dict[str, Any]]], step: str, unit: str, files: list[str]) -> list[tuple[int, int,
-                                                                                                      str]]:
+def folder_identity(path: str) -> list[Any]:
+    """Which folder ``path`` is, alike in every process that sees it: the machine (its boot id, else its host name)
+    and the folder's device and inode (``/proc/self/cwd/...`` is the process's own folder, ``/dev/shm`` its
+    container's)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            machine = f.read().strip()
+    except OSError:
+        machine = socket.gethostname()
+    found = os.stat(path)
+    return [machine, found.st_dev, found.st_ino]
+
+
+def plan(reports: list[dict[str, dict[str, Any]]], step: str, unit: str, files: list[str],
+         keepers: list[int]) -> list[tuple[int, int, str]]:
     """(from rank, to rank, where the sender holds it: relative to its fast folder) for each of ``files`` of the
-    checkpoint ``unit`` (a file, or a folder) of ``step`` that a rank's own folder lacks, in one order every rank
-    computes alike: from the rank's own copies where it holds them, else from the first rank that holds it.
-    ``reports``: each rank's holdings, {"" or a peer folder: {step: names there (a file's, or a folder's files)}}."""
+    checkpoint ``unit`` (a file, or a folder) of ``step`` that a fast folder lacks, to the folder's keeper only
+    (``keepers[r]``: the rank that fills rank ``r``'s folder), in one order every rank computes alike: from the
+    keeper's own copies where it holds them, else from the first rank that holds it. ``reports``: each rank's
+    holdings, {"" or a peer folder: {step: names there (a file's, or a folder's files)}}."""
     def places(report: dict[str, dict[str, Any]], file: str) -> list[str]:
         return [place for place, held in sorted(report.items()) if step in held and
                 (file in held[step] if isinstance(held[step], list) else file == held[step])]
 
     transfers = []
     for dst, report in enumerate(reports):
+        if keepers[dst] != dst:  # a folder of a lower rank too: filled by that rank
+            continue
         for file in files:
             mine = places(report, file)
             if "" in mine:

@@ -10,14 +10,15 @@ rank's files (tensors saved once, such as every rank's random states). So:
   (every checksum verified; the metadata checked whole);
 - at ``setup``, before "last" is read, every rank reports (one all-gather) the steps its own folder and its peer
   folders hold, file by file; the newest step whose files (all that its metadata names) are held somewhere is
-  assembled whole in every rank's own fast folder: each missing file copied from the rank's own peer folder where
-  it holds it, else sent over the group by a rank that does, the metadata last (the folder's commit). Every rank's
-  "last" then finds the same whole folder on its own node: nothing of the persistent tier is read. A rank's
-  committed folder of a newer step that no rank can make whole (a partner's shards lost with its node before they
-  were copied) is removed: it cannot be loaded, and would split the ranks' choice of "last".
+  assembled whole in every fast folder by its keeper (``_peer``: the lowest rank of the node's folder): each
+  missing file copied from a peer folder in it where it holds it, else sent over the group by a rank that does, the
+  metadata last (the folder's commit). Every rank's "last" then finds the same whole folder on its own node: nothing
+  of the persistent tier is read. A committed folder of a newer step that no rank can make whole (a partner's
+  shards lost with its node before they were copied) is removed by its keeper: it cannot be loaded, and would split
+  the ranks' choice of "last".
 
-Global rank 0's own folder rotates with the fast tier's retention (``_tiers``); the other ranks rotate theirs, and
-every rank its peer folders, after each exchange, keeping ``keep`` steps.
+Global rank 0's own folder rotates with the fast tier's retention (``_tiers``); the other folders' keepers rotate
+theirs, and every rank its peer folders, after each exchange, keeping ``keep`` steps.
 """
 
 from __future__ import annotations
@@ -46,33 +47,34 @@ class FolderPeers(Peers):
         step = _step(name)
         if step is not None:
             self._rotate_steps(peer_folder, step)
-            if self.rank != 0:  # rank 0's own folder rotates with the fast tier's ledger
+            if self.rank == self.keeper != 0:  # rank 0's own folder rotates with the fast tier's ledger
                 self._rotate_steps(self.dirpath, step)
 
     def _own_files(self, path: str) -> list[str]:
-        """The shard files this rank wrote into ``path`` (their ``.data`` travel with them), then the metadata
-        where this rank committed it."""
+        """The shard files this rank wrote into ``path`` (their ``.data`` travel with them), then, on rank 0, the
+        metadata it committed (the other ranks of its node see it there too)."""
         try:
             names = os.listdir(path)
         except FileNotFoundError:  # rotated out before its copy: nothing to send
             return []
         shards = sorted(n for n in names if n.endswith(f"-{self.rank:05d}.odtc"))
-        return shards + ([METADATA_NAME] if METADATA_NAME in names else [])
+        return shards + ([METADATA_NAME] if self.rank == 0 and METADATA_NAME in names else [])
 
     # -- at setup ---------------------------------------------------------------------------------------------
     def restore(self) -> None:
-        """The newest step held whole among every rank's folders, assembled in every rank's own (module doc)."""
+        """The newest step held whole among every rank's folders, assembled in every fast folder by its keeper;
+        every folder done when it returns (module doc)."""
         reports = self.wire.gather(self._folders())
-        held = [r["held"] for r in reports]
         chosen = _newest_whole(reports)
-        self._drop_unmakeable(reports[self.rank], chosen)
-        if chosen is None:
-            return
-        step, files = chosen
-        name = next(r["names"][str(step)] for r in reports if str(step) in r["names"])
-        for batch in (files, [METADATA_NAME]):  # shards first, then the metadata: the folder's commit
-            for src, dst, where in plan(held, str(step), name, batch):
-                self.transfer(src, dst, where, f"{name}/{os.path.basename(where)}")
+        if self.rank == self.keeper:
+            self._drop_unmakeable(reports[self.rank], chosen)
+        if chosen is not None:
+            step, files = chosen
+            name = next(r["names"][str(step)] for r in reports if str(step) in r["names"])
+            for batch in (files, [METADATA_NAME]):  # shards first, then the metadata: the folder's commit
+                for src, dst, where in plan([r["held"] for r in reports], str(step), name, batch, self.keepers):
+                    self.transfer(src, dst, where, f"{name}/{os.path.basename(where)}")
+        self.wire.barrier()  # a rank that is no keeper reads its folder once its keeper has made it whole
 
     def _folders(self) -> dict[str, Any]:
         """What this rank holds: {"held": {"" (its own folder) or a peer folder: {step: its folder's files}},

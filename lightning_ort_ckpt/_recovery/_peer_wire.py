@@ -116,6 +116,13 @@ class Wire:
         dist.all_gather(every, padded, group=self.group)
         return [json.loads(t[:int(s.item())].numpy().tobytes()) for t, s in zip(every, sizes)]
 
+    def barrier(self) -> None:
+        """Every rank here, waiting as long as a job's collectives wait by default (torch's 30 minutes): for the
+        slowest rank's whole restore, which ``TIMEOUT`` (one transfer's chunk) does not bound."""
+        import torch.distributed as dist
+
+        dist.monitored_barrier(group=self.group, timeout=dist.default_pg_timeout)
+
     def _both(self, out: Any, to: int, into: Any, frm: int) -> None:
         """Send ``out`` to ``to`` while ``into`` is received from ``frm`` (either may be None)."""
         import torch.distributed as dist

@@ -21,7 +21,7 @@ from typing import Any
 
 
 from helpers.launching import SHARDED_NET, launch_nodes
-from helpers.peers import NODES_HEAD, SCRIPT_HEAD, new_bucket, object_reads, record
+from helpers.peers import NODES_HEAD, SCRIPT_HEAD, new_bucket, object_reads, record, step_listing
 from lightning_ort_ckpt import load_checkpoint
 
 SCRIPT = SCRIPT_HEAD + SHARDED_NET + r'''
@@ -60,12 +60,6 @@ else:
 '''
 
 
-def _listing(folder: Path) -> dict[str, list[str]]:
-    """Each step folder's files, the save id left out (``shard-<id>-00001.odtc`` as ``shard-00001``)."""
-    return {d.name: sorted(f.name if not f.name.startswith("shard-") else f"shard-{f.name[-10:-5]}"
-                           for f in d.iterdir()) for d in sorted(folder.iterdir()) if d.name.startswith("step=")}
-
-
 def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the_store(tmp_path: Path,
                                                                                        counted: Any) -> None:
     proxy = counted
@@ -79,10 +73,10 @@ def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the
     fast0, fast1 = nodes[0] / "fast", nodes[1] / "fast"
     meta = "checkpoint.ort-meta"
     steps = ("step=5.ckpt", "step=6.ckpt")
-    assert _listing(fast0) == {s: [meta, "shard-00000"] for s in steps}
-    assert _listing(fast1) == {s: ["shard-00001"] for s in steps}
-    assert _listing(fast1 / "peer-of-rank0") == {s: [meta, "shard-00000"] for s in steps}
-    assert _listing(fast0 / "peer-of-rank1") == {s: ["shard-00001"] for s in steps}
+    assert step_listing(fast0) == {s: [meta, "shard-00000"] for s in steps}
+    assert step_listing(fast1) == {s: ["shard-00001"] for s in steps}
+    assert step_listing(fast1 / "peer-of-rank0") == {s: [meta, "shard-00000"] for s in steps}
+    assert step_listing(fast0 / "peer-of-rank1") == {s: ["shard-00001"] for s in steps}
     for own, copies in ((fast0, fast1 / "peer-of-rank0"), (fast1, fast0 / "peer-of-rank1")):
         for step in steps:
             for f in (own / step).iterdir():
@@ -106,8 +100,8 @@ def test_a_wiped_node_takes_its_shards_back_from_the_partner_with_no_read_of_the
         assert (partner["start"], partner["ckpt_path"], partner["end"]) == (8, "/proc/self/cwd/fast/step=8.ckpt", 10)
         assert partner["weights"]["10"] == reference["weights"]["10"]
     # and every folder is rotated to its newest 2 steps, copies included
-    assert set(_listing(fast0)) == set(_listing(fast1)) == {"step=9.ckpt", "step=10.ckpt"}
-    assert set(_listing(fast1 / "peer-of-rank0")) == set(_listing(fast0 / "peer-of-rank1")) == \
+    assert set(step_listing(fast0)) == set(step_listing(fast1)) == {"step=9.ckpt", "step=10.ckpt"}
+    assert set(step_listing(fast1 / "peer-of-rank0")) == set(step_listing(fast0 / "peer-of-rank1")) == \
         {"step=9.ckpt", "step=10.ckpt"}
 
 
@@ -133,12 +127,12 @@ def test_the_newest_step_held_whole_is_chosen_and_each_missing_file_comes_from_t
                        {"5": shards})]
     assert _newest_whole(reports) == (5, shards)
     held = [r["held"] for r in reports]
-    assert plan(held, "5", "step=5.ckpt", shards) == [
+    assert plan(held, "5", "step=5.ckpt", shards, [0, 1]) == [
         (1, 0, "peer-of-rank0/step=5.ckpt/" + shards[0]),  # over the group, from node 1's copy
         (1, 0, "step=5.ckpt/" + shards[1]),  # over the group, from node 1's own folder
         (1, 1, "peer-of-rank0/step=5.ckpt/" + shards[0]),  # on node 1, from its own copy
     ]
-    assert plan(held, "5", "step=5.ckpt", [META]) == [(1, 0, f"peer-of-rank0/step=5.ckpt/{META}"),
+    assert plan(held, "5", "step=5.ckpt", [META], [0, 1]) == [(1, 0, f"peer-of-rank0/step=5.ckpt/{META}"),
                                                       (1, 1, f"peer-of-rank0/step=5.ckpt/{META}")]
     # a step whose metadata no rank holds, or one of whose shards no rank holds, is never chosen
     assert _newest_whole([_report({"": {"6": later}})]) is None
@@ -150,5 +144,23 @@ def test_a_file_checkpoint_is_planned_to_every_rank_that_lacks_it() -> None:
 
     # DDP: rank 0 wrote step 6; rank 1 holds its copy; rank 2 (a third node) holds nothing
     held = [{"": {"6": "step=6.ckpt"}}, {"": {}, "peer-of-rank0": {"6": "step=6.ckpt"}}, {"": {}}]
-    assert plan(held, "6", "step=6.ckpt", ["step=6.ckpt"]) == [(1, 1, "peer-of-rank0/step=6.ckpt"),
+    assert plan(held, "6", "step=6.ckpt", ["step=6.ckpt"], [0, 1, 2]) == [(1, 1, "peer-of-rank0/step=6.ckpt"),
                                                                (0, 2, "step=6.ckpt")]
+
+
+def test_a_folder_several_ranks_share_is_filled_by_its_lowest_rank_alone(tmp_path: Path) -> None:
+    """Two ranks of a node share its fast folder: its lowest rank (its keeper) alone commits into it, so that no
+    two ranks commit the same file into one folder at once (``test_tiers_peer_nodes.py`` runs it)."""
+    from lightning_ort_ckpt._recovery._peer import folder_identity, plan
+
+    # DDP, 2 nodes of 2 ranks: node 0 (ranks 0, 1) replaced; node 1's folder (ranks 2, 3) holds rank 0's copy
+    node1 = {"": {}, "peer-of-rank0": {"6": "step=6.ckpt"}}
+    held = [{"": {}}, {"": {}}, node1, node1]
+    assert plan(held, "6", "step=6.ckpt", ["step=6.ckpt"], [0, 0, 2, 2]) == [(2, 0, "peer-of-rank0/step=6.ckpt"),
+                                                                             (2, 2, "peer-of-rank0/step=6.ckpt")]
+    # which folder a path is: one folder by two paths is one; two folders are two
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    assert folder_identity(str(tmp_path / "link")) == folder_identity(str(tmp_path / "a"))
+    assert folder_identity(str(tmp_path / "b")) != folder_identity(str(tmp_path / "a"))

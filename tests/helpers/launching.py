@@ -113,32 +113,36 @@ def launch_ranks(script: Path, args: list[str], world_size: int, timeout: float,
         assert p.returncode == 0, log[-4000:]
 
 
-def launch_nodes(script: Path, args: list[str], folders: list[Path], what: str, timeout: float,
+def launch_nodes(script: Path, args: list[str], folders: list[Path], what: str, timeout: float, per_node: int = 1,
                  **extra_env: str) -> None:
-    """Run ``script`` once per simulated node, one process each (``devices=1``), as a cluster launcher starts them:
-    ``NODE_RANK``, ``LOCAL_RANK=0`` and ``WORLD_SIZE`` in the environment, which Lightning reads, so that it starts
-    no process itself; node ``n`` runs in ``folders[n]``, its working directory: a path through ``/proc/self/cwd``
-    is one path on every node and a folder of each node's own, as a node-local disk is. Fails the test with a
-    node's output if one does not end within ``timeout`` seconds or exits non-zero."""
+    """Run ``script`` on each simulated node, ``per_node`` processes a node (``Trainer(devices=per_node,
+    num_nodes=len(folders))``), as a cluster launcher starts them: ``NODE_RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``
+    in the environment, which Lightning reads, so that it starts no process itself; node ``n``'s processes run in
+    ``folders[n]``, their working directory: a path through ``/proc/self/cwd`` is one path on every node and a
+    folder of each node's own, shared by its processes, as a node-local disk is. Fails the test with a process's
+    output if one does not end within ``timeout`` seconds or exits non-zero."""
     port = free_port()
-    procs = []
+    procs: list[tuple[subprocess.Popen[bytes], Path, str]] = []
     for node, folder in enumerate(folders):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node),
-               "LOCAL_RANK": "0", "WORLD_SIZE": str(len(folders)), "PYTHONWARNINGS": "ignore",
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
-               **extra_env}
-        for name in ("GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
-            env.pop(name, None)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder.parent / f"{folder.name}.log", "w") as log:  # a file: no pipe fills while a node waits
-            procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=str(folder),
-                                          stdout=log, stderr=subprocess.STDOUT))
-    with _ending(procs, f"{what}: a node", timeout):
-        for p in procs:
+        for local in range(per_node):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node),
+                   "LOCAL_RANK": str(local), "WORLD_SIZE": str(len(folders) * per_node), "OMP_NUM_THREADS": "1",
+                   "PYTHONWARNINGS": "ignore",
+                   "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+                   **extra_env}
+            for name in ("GLOBAL_RANK", "RANK", "PL_GLOBAL_SEED"):
+                env.pop(name, None)
+            log = folder.parent / f"{folder.name}.{local}.log"  # a file: no pipe fills while a process waits
+            with open(log, "w") as out:
+                procs.append((subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=str(folder),
+                                               stdout=out, stderr=subprocess.STDOUT), log,
+                              f"node {node}, local rank {local}"))
+    with _ending([p for p, _, _ in procs], f"{what}: a process", timeout):
+        for p, _, _ in procs:
             p.wait(timeout=timeout)
-    for p, folder in zip(procs, folders):
-        log = (folder.parent / f"{folder.name}.log").read_text(errors="replace")
-        assert p.returncode == 0, f"{what}, node {folders.index(folder)}:\n{log[-6000:]}"
+    for p, log, who in procs:
+        assert p.returncode == 0, f"{what}, {who}:\n{log.read_text(errors='replace')[-6000:]}"
 
 
 @contextlib.contextmanager

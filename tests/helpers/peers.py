@@ -1,5 +1,6 @@
-"""What the peer-copy tests share (``test_tiers_peer.py``, ``test_tiers_peer_sharded.py``): the head of their child
-scripts, and reading back what the ranks recorded and what the persistent store was asked."""
+"""What the peer-copy tests share (``test_tiers_peer.py``, ``test_tiers_peer_sharded.py``,
+``test_tiers_peer_nodes.py``): the head of their child scripts, and reading back what the ranks recorded, what the
+persistent store was asked and what the fast folders hold."""
 
 from __future__ import annotations
 
@@ -74,3 +75,9 @@ def new_bucket(proxy: Any, prefix: str, tmp_path: Path) -> str:
     bucket = f"{prefix}-{os.getpid()}-{id(tmp_path) % 100000}"
     fsspec.filesystem("s3", key="x", secret="y", client_kwargs={"endpoint_url": proxy.url}).mkdir(bucket)
     return bucket
+
+
+def step_listing(folder: Path) -> dict[str, list[str]]:
+    """Each step folder's files, the save id left out (``shard-<id>-00001.odtc`` as ``shard-00001``)."""
+    return {d.name: sorted(f.name if not f.name.startswith("shard-") else f"shard-{f.name[-10:-5]}"
+                           for f in d.iterdir()) for d in sorted(folder.iterdir()) if d.name.startswith("step=")}

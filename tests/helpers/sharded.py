@@ -16,6 +16,63 @@ SHARDED = ("mp-sharded", "fsdp-sharded")
 ASYNC = ("mp-sharded-async", "fsdp-sharded-async")
 VALIDATED = ("mp-sharded-val", "mp-full-val")
 """ModelParallel with a validation (drawing random numbers) after each epoch's last batch: after the step-4 save."""
+
+CPU_FSDP = r'''
+from pytorch_lightning.strategies import FSDPStrategy
+
+
+def cpu_tolerant_full_state():
+    """Test only: torch's FSDP1 full state dicts with ``offload_to_cpu=True`` (Lightning's, for
+    ``state_dict_type="full"``) count on the move to CPU making a copy; on CPU it is a no-op returning the same memory:
+    (1) ``FlatParamHandle.to_cpu`` then frees the gathered parameters the state dict still views (a segfault),
+    (2) ``_unflatten_orig_param_states`` skips its clone, so every optimizer state of a parameter views one reused
+    gather buffer (``exp_avg`` comes out as ``exp_avg_sq``). On CPU there is nothing to move: these two do on CPU
+    what they do without offloading; on accelerators they are torch's."""
+    import contextlib
+    from torch.distributed.fsdp import _optim_utils
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    to_cpu, unflatten = FlatParamHandle.to_cpu, _optim_utils._unflatten_orig_param_states
+
+    @contextlib.contextmanager
+    def to_cpu_unless_there(self):
+        if self.device.type == "cpu":
+            yield
+        else:
+            with to_cpu(self):
+                yield
+
+    def unflatten_cloning_on_cpu(info, output_states, state_name, shard_state, to_save, cpu_offload):
+        on_cpu = info.handle.flat_param.device.type == "cpu"
+        unflatten(info, output_states, state_name, shard_state, to_save, cpu_offload and not on_cpu)
+
+    FlatParamHandle.to_cpu = to_cpu_unless_there
+    _optim_utils._unflatten_orig_param_states = unflatten_cloning_on_cpu
+
+
+cpu_tolerant_full_state()
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Test only: FSDPStrategy (FSDP1) on CPU. Lightning refuses ``FSDPStrategy`` itself without CUDA (its accelerator
+    connector checks the exact type, so a subclass passes), and hands FSDP ``device_id=root_device.index``, None on
+    CPU, for which torch asks for an accelerator; with ``device_id=torch.device("cpu")`` torch runs FSDP1 on CPU.
+    This one wraps the module itself with that device and lets Lightning's ``_setup_model`` (which leaves an FSDP
+    module as it is) do the rest; saving and loading are FSDPStrategy's (and so ours) unchanged. With it,
+    ``cpu_tolerant_full_state`` above."""
+
+    def _setup_model(self, model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        model = FullyShardedDataParallel(model, cpu_offload=self.cpu_offload,
+                                         mixed_precision=self.mixed_precision_config,
+                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                                         **self.kwargs)
+        self.kwargs.pop("auto_wrap_policy", None)  # applied: Lightning would warn that it is ignored
+        return super()._setup_model(model)
+'''
+"""Script text: ``FSDPStrategy`` (FSDP1) on CPU for tests (``CPUFSDPStrategy``, ``cpu_tolerant_full_state``); it needs
+``torch`` imported."""
+
 SCRIPT = r'''
 import hashlib, json, os, sys, warnings
 import pytorch_lightning as pl
@@ -93,55 +150,7 @@ class Record(pl.Callback):
                        "warnings": [str(w.message) for w in CAUGHT]}, f)
 
 
-def cpu_tolerant_full_state():
-    """Test only: torch's FSDP1 full state dicts with ``offload_to_cpu=True`` (Lightning's, for
-    ``state_dict_type="full"``) count on the move to CPU making a copy; on CPU it is a no-op returning the same memory:
-    (1) ``FlatParamHandle.to_cpu`` then frees the gathered parameters the state dict still views (a segfault),
-    (2) ``_unflatten_orig_param_states`` skips its clone, so every optimizer state of a parameter views one reused
-    gather buffer (``exp_avg`` comes out as ``exp_avg_sq``). On CPU there is nothing to move: these two do on CPU
-    what they do without offloading; on accelerators they are torch's."""
-    import contextlib
-    from torch.distributed.fsdp import _optim_utils
-    from torch.distributed.fsdp._flat_param import FlatParamHandle
-
-    to_cpu, unflatten = FlatParamHandle.to_cpu, _optim_utils._unflatten_orig_param_states
-
-    @contextlib.contextmanager
-    def to_cpu_unless_there(self):
-        if self.device.type == "cpu":
-            yield
-        else:
-            with to_cpu(self):
-                yield
-
-    def unflatten_cloning_on_cpu(info, output_states, state_name, shard_state, to_save, cpu_offload):
-        on_cpu = info.handle.flat_param.device.type == "cpu"
-        unflatten(info, output_states, state_name, shard_state, to_save, cpu_offload and not on_cpu)
-
-    FlatParamHandle.to_cpu = to_cpu_unless_there
-    _optim_utils._unflatten_orig_param_states = unflatten_cloning_on_cpu
-
-
-cpu_tolerant_full_state()
-
-
-class CPUFSDPStrategy(FSDPStrategy):
-    """Test only: FSDPStrategy (FSDP1) on CPU. Lightning refuses ``FSDPStrategy`` itself without CUDA (its accelerator
-    connector checks the exact type, so a subclass passes), and hands FSDP ``device_id=root_device.index``, None on
-    CPU, for which torch asks for an accelerator; with ``device_id=torch.device("cpu")`` torch runs FSDP1 on CPU.
-    This one wraps the module itself with that device and lets Lightning's ``_setup_model`` (which leaves an FSDP
-    module as it is) do the rest; saving and loading are FSDPStrategy's (and so ours) unchanged. With it,
-    ``cpu_tolerant_full_state`` above."""
-
-    def _setup_model(self, model):
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        model = FullyShardedDataParallel(model, cpu_offload=self.cpu_offload,
-                                         mixed_precision=self.mixed_precision_config,
-                                         sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                                         **self.kwargs)
-        self.kwargs.pop("auto_wrap_policy", None)  # applied: Lightning would warn that it is ignored
-        return super()._setup_model(model)
-
+''' + CPU_FSDP + r'''
 
 def strategy(kind, devices):
     if kind.startswith("mp"):
