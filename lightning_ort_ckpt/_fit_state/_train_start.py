@@ -10,16 +10,19 @@ per Trainer, taken out again at the plugin's ``teardown``. A second restore find
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from torch.nn.parallel import DistributedDataParallel
 
 from . import _rng, _validation_resume
 from .._lightning import _lightning_adapter
 from ._data_position import DATA_KEY, TrainData
 from .._lightning._namespaces import namespace_of
 from ._rng import RNG_KEY
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointWarning, CorruptCheckpointError
 
 
 class Restorer(Protocol):
@@ -124,8 +127,22 @@ def restore(states: Any, epoch: Any, path: str, trainer: Any, data: TrainData | 
             _rng.restore(states)
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
             raise CorruptCheckpointError(f"its saved random states are damaged ({e})", path) from None
+    _warn_if_ddp_sums_otherwise(trainer, path)
     inside = _lightning_adapter.resumed_inside_epoch(trainer, epoch)
     if data is not None:
         data.check_resumed(trainer, inside)
     if states is not None and not inside:
         _lightning_adapter.restart_train_iterator(trainer)
+
+
+def _warn_if_ddp_sums_otherwise(trainer: Any, path: str) -> None:
+    """The one way we know a resume is not bitwise that no checkpoint can fix: torch's DDP reducer sums the ranks'
+    gradients in an order that depends on where each lies in its bucket, and lays the buckets out again after the
+    first step of every newly wrapped module, so at more than 2 ranks a resumed fit's first steps sum in another
+    order than the uninterrupted run's (docs/guide.md, "Strategies"). Said once, by rank 0."""
+    if isinstance(getattr(trainer.strategy, "model", None), DistributedDataParallel) and trainer.world_size > 2 \
+            and trainer.is_global_zero:
+        warnings.warn(f"{path}: resumed under DDP with {trainer.world_size} processes: DDP sums the ranks' gradients "
+                      "of a newly wrapped module's first steps in another order than the uninterrupted run did, so "
+                      "the weights may differ from its in their last bits (about 1e-8); bitwise with 2 processes, "
+                      "or with a DDP communication hook that sums in rank order", CheckpointWarning, stacklevel=2)
