@@ -7,7 +7,8 @@ every step costs training.
 
 **Lost work.** The parent imports torch and Lightning once and forks each training process (no torch op runs in the
 parent, so forking is safe). A child fits a small MLP with AdamW for 60 steps, ``OrtCheckpoint(dirpath, every 20
-steps, local=LocalTier(fast folder, every step, keep 2))``, alternately with ``async_save`` off and on, and says on
+steps, local=LocalTier(fast folder, every step, keep 2))``, both folders in ``/dev/shm`` where it exists (where an
+asynchronous save writes from the live tensors), alternately with ``async_save`` off and on, and says on
 a pipe each step it finished (at the next batch's start: every save of that step has been asked for). The parent
 SIGKILLs it at a random step, after a random 0-30 ms more (so the kill lands anywhere: in a step, in a save, in the
 background write). Another forked child then runs ``fit(ckpt_path="last")`` with the same callback and says which
@@ -275,12 +276,15 @@ def sigterms(trials: int, seed: int) -> None:
     print(f"\n{late} trial(s) ended their fit before the signal landed (not counted).")
 
 
+_MEMORY = "/dev/shm" if os.path.isdir("/dev/shm") else None  # a fast tier's usual place: the folders go there
+
+
 def lost_work(kills: int, seed: int) -> None:
     rng = random.Random(seed)
     results: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
     for trial in range(kills):
         async_save = bool(trial % 2)
-        root = tempfile.mkdtemp(prefix="tiers-kill-")
+        root = tempfile.mkdtemp(prefix="tiers-kill-", dir=_MEMORY)  # (async saves there: written from live tensors)
         try:
             results[async_save].append(one_kill(root, async_save, rng))
         finally:
@@ -325,7 +329,7 @@ class Clock(pl.Callback):
 
 
 def overhead(params_m: float, steps: int, rounds: int) -> None:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    base = _MEMORY
     times: dict[str, list[float]] = {"no saves": [], "every step": [], "every 10 steps": []}
     cpu: dict[str, list[float]] = {mode: [] for mode in times}
     n_params = 0
@@ -371,7 +375,7 @@ def main() -> None:
     parser.add_argument("--sigterms", type=int, default=10)
     parser.add_argument("--params-m", type=float, default=25.0)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="of the overhead runs (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads for the overhead runs")
     args = parser.parse_args()
@@ -381,7 +385,8 @@ def main() -> None:
     if args.sigterms:
         sigterms(args.sigterms, args.seed)
     torch.set_num_threads(args.threads)  # one: training and the writer thread share 2 cores without oversubscribing
-    overhead(args.params_m, args.steps, args.rounds)
+    if args.rounds:
+        overhead(args.params_m, args.steps, args.rounds)
 
 
 if __name__ == "__main__":
