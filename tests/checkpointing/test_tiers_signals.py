@@ -258,15 +258,16 @@ def test_slurm_requeue_then_sigterm_resumes_from_the_newer_fast_step(tmp_path: P
 def test_a_requeue_signal_during_an_async_save_saves_the_current_step(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGUSR1 while the background write of step 4's fast-tier file is in progress (held until the signal was
-    sent), the training thread waiting at the start of the next batch (a batch boundary, so that Lightning's save
-    is of step 4 whole, not inside step 5): the handler's save of ``hpc_ckpt_1.ckpt`` queues behind that
+    sent), sent once the training thread is at the start of the next batch (a batch boundary, so that Lightning's
+    save is of step 4 whole; sent as the writer began, on a loaded machine it landed in step 4's last hooks): the handler's save of ``hpc_ckpt_1.ckpt`` queues behind that
     write and waits for both to be durable (no deadlock: the queue is not the training thread's); training goes on
     to the end, and a fit from the hpc file ends where the uninterrupted one does, bit for bit."""
     with monkeypatch.context() as m:
         log = scontrol(tmp_path, m)
-        out = run_child(tmp_path, 1, True, {4: "requeued"}, [("writing step=4.ckpt", signal.SIGUSR1)], slurm=True,
+        out = run_child(tmp_path, 1, True, {4: "requeued"}, [("training 4", signal.SIGUSR1)], slurm=True,
                         slow="step=4.ckpt")
     assert "finished" in out and log.read_text().split() == ["requeue", "4242"], out
+    assert "\nwriting step=4.ckpt\n" in out, out  # the write held until the signal was sent, then made
     hpc = tmp_path / "hpc_ckpt_1.ckpt"
     load_checkpoint(hpc)
     assert read_lightning_checkpoint(hpc)["global_step"] == 4

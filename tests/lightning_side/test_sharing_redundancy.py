@@ -22,6 +22,7 @@ import os
 import shutil
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,24 @@ def heals(path: Path, module: torch.nn.Module) -> bool:
     return healed and not loads(path, module, heal=False)
 
 
+_MADE: list[sharing.FrozenSharing] = []  # by run(): closed when the test ends (_closed)
+
+
+@pytest.fixture(autouse=True)
+def _closed() -> Iterator[None]:
+    """Every ``FrozenSharing`` that :func:`run` made is closed when the test ends, as a plugin's teardown closes its
+    own: its worker thread never outlives the test (closing twice is harmless)."""
+    yield
+    while _MADE:
+        _MADE.pop().close()
+
+
 def run(tmp_path: Path, n: int, sh: sharing.FrozenSharing | None = None,
         module: torch.nn.Module | None = None) -> tuple[sharing.FrozenSharing, torch.nn.Module, list[Path]]:
-    sh, module = sh or sharing.FrozenSharing(), module or frozen_module()
+    if sh is None:
+        sh = sharing.FrozenSharing()
+        _MADE.append(sh)
+    module = module or frozen_module()
     paths = [tmp_path / f"step={i}.ckpt" for i in range(1, n + 1)]
     for i, p in enumerate(paths, 1):
         save(sh, module, p, f"step {i}")
