@@ -116,7 +116,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = os.environ.setdefault("PEER_BENCH_DIR", tempfile.mkdtemp(prefix="peer-bench-", dir=base))
+    if "PEER_BENCH_DIR" not in os.environ:  # (rank 1, started by Lightning, inherits rank 0's: it makes none)
+        os.environ["PEER_BENCH_DIR"] = tempfile.mkdtemp(prefix="peer-bench-", dir=base)
+    folder = os.environ["PEER_BENCH_DIR"]
     if sharded:  # each rank's own "node": its working directory
         node = os.path.join(folder, f"node{os.environ.get('LOCAL_RANK', '0')}")
         os.makedirs(node, exist_ok=True)
